@@ -1,0 +1,53 @@
+"""Query endpoints: ``coordinator.task`` and ``coordinator.workers``."""
+
+from __future__ import annotations
+
+from schemas.base import Wire
+from schemas.events import Durations, Tokens
+from schemas.route import TaskStatus, TaskType
+
+
+class TaskQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    task_id: str
+
+
+class TaskView(Wire, frozen=True, kw_only=True):
+    """A task as the stats read model knows it."""
+
+    task_id: str
+    status: TaskStatus
+    model: str
+    domain: str | None = None
+    task_type: str = "inference"
+    worker: str | None = None
+    queue: str | None = None
+    attempts: int = 0
+    response: str | None = None
+    thinking: str | None = None
+    durations: Durations | None = None
+    tokens: Tokens | None = None
+    created_at: float
+    ended_at: float | None = None
+    error: str | None = None
+
+
+class WorkersQuery(Wire, frozen=True, kw_only=True):
+    pass
+
+
+class WorkerView(Wire, frozen=True, kw_only=True):
+    worker_id: str
+    host: str
+    tier: str
+    models: list[str]
+    state: str
+    current_task: str | None = None
+    last_heartbeat: float
+    queue_depth: int = 0
+
+
+class WorkersReply(Wire, frozen=True, kw_only=True):
+    workers: list[WorkerView]
+
+
+__all__ = ["TaskQuery", "TaskStatus", "TaskType", "TaskView", "WorkerView", "WorkersReply"]

@@ -1,0 +1,88 @@
+"""Subject names and the checks that keep ids from breaking them.
+
+Every subject the services use is built here, so a malformed id is refused in one place with
+one clear error instead of silently addressing the wrong subject (a dot adds a token, ``*`` and
+``>`` become wildcards, whitespace ends the subject).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final, Literal
+
+Tier = Literal["gpu", "cpu"]
+
+TASKS_STREAM: Final = "TASKS"
+EVENTS_STREAM: Final = "EVENTS"
+WORKERS_BUCKET: Final = "workers"
+
+TASKS_SUBJECTS: Final = "tasks.>"
+EVENTS_SUBJECTS: Final = "events.>"
+
+# Request/reply endpoints. They must never fall under a stream's subjects, or the stream would
+# store (and acknowledge) the requests instead of a service answering them.
+ROUTE: Final = "coordinator.route"
+TASK: Final = "coordinator.task"
+WORKERS: Final = "coordinator.workers"
+
+SHARED_CPU_QUEUE: Final = "tasks.cpu.shared"
+WEB_QUEUE: Final = "tasks.web"
+
+# Names that are queue tokens of their own and so cannot be worker ids.
+RESERVED_WORKER_IDS: Final = frozenset({"shared", "web"})
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+class InvalidId(ValueError):
+    """An id that cannot be used as one subject token."""
+
+    code = "invalid_id"
+
+    def __init__(self, kind: str, value: str) -> None:
+        super().__init__(
+            f"invalid {kind} {value!r}: use 1-128 letters, digits, '-' or '_' "
+            "(no dots, spaces or wildcards, which would break the NATS subject)"
+        )
+        self.kind = kind
+        self.value = value
+
+
+def check_token(kind: str, value: str) -> str:
+    """Return ``value`` if it is safe as a single subject token, else raise `InvalidId`."""
+    if not _TOKEN.match(value):
+        raise InvalidId(kind, value)
+    return value
+
+
+def check_worker_id(worker_id: str) -> str:
+    """Like `check_token`, also refusing the names that are queues of their own."""
+    check_token("worker id", worker_id)
+    if worker_id in RESERVED_WORKER_IDS:
+        raise InvalidId("worker id", worker_id)
+    return worker_id
+
+
+def worker_queue(tier: Tier, worker_id: str) -> str:
+    """The queue one worker pulls for one tier: ``tasks.<tier>.<worker>``."""
+    return f"tasks.{tier}.{check_worker_id(worker_id)}"
+
+
+def worker_queue_filter(worker_id: str) -> str:
+    """The consumer filter covering every tier queue of one worker."""
+    return f"tasks.*.{check_worker_id(worker_id)}"
+
+
+def task_event(task_id: str, kind: str) -> str:
+    """``events.task.<task_id>.<kind>``: one subject per task makes its history one read."""
+    return f"events.task.{check_token('task id', task_id)}.{check_token('event kind', kind)}"
+
+
+def task_events(task_id: str) -> str:
+    """Wildcard over every event of one task."""
+    return f"events.task.{check_token('task id', task_id)}.>"
+
+
+def worker_event(worker_id: str, kind: str) -> str:
+    """``events.worker.<worker_id>.<kind>``."""
+    return f"events.worker.{check_token('worker id', worker_id)}.{check_token('event kind', kind)}"

@@ -1,0 +1,28 @@
+"""The ``workers`` KV bucket: one entry per live worker, refreshed by its heartbeat."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from schemas.base import Wire
+
+Capability = Literal["cpu_inference", "gpu_inference"]
+
+
+class WorkerRecord(Wire, frozen=True, kw_only=True):
+    worker_id: str
+    host: str
+    instance_id: str
+    pid: int
+    version: str
+    supports: list[Capability]
+    models: list[str]
+    started_at: float
+    heartbeat_at: float
+    state: Literal["idle", "busy", "stopping"] = "idle"
+    current_task: str | None = None
+
+
+worker_record_decoder = msgspec.json.Decoder(WorkerRecord)

@@ -1,0 +1,260 @@
+"""``coordinator``: run a service, the whole stack, or talk to a running one.
+
+Exit status: 0 on success; 1 when the request failed (the error's code and message on stderr);
+2 for bad usage or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from schemas import events, queries, route, tasks, workers
+from schemas.subjects import ROUTE, TASK, WORKERS
+from services import __version__
+from services.cli.client import RemoteError, call, open_client
+from services.runtime.errors import CoordinatorError
+from services.runtime.lifecycle import run_until_stopped
+from services.runtime.logging import setup_logging
+from services.runtime.settings import RouterSettings, Settings, StatsSettings, WorkerSettings
+from services.runtime.tracing import setup_tracing
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_json = msgspec.json.Encoder()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``coordinator`` console command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except CoordinatorError as exc:
+        print(f"error {exc.code}: {exc.message}", file=sys.stderr)
+        code = EXIT_USAGE if exc.code == "config" else EXIT_FAILED
+    except RemoteError as exc:
+        print(f"error {exc.code}: {exc.message}", file=sys.stderr)
+        code = EXIT_FAILED
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coordinator", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"coordinator {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser(
+        "up", help="run the whole stack on this machine (embedded NATS and PostgreSQL when unset)"
+    )
+    up.set_defaults(func=cmd_up)
+
+    for name, helptext in (
+        ("router", "run the router alone (configured by the environment)"),
+        ("worker", "run one worker alone (configured by the environment)"),
+        ("stats", "run the stats projector alone (configured by the environment)"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.set_defaults(func=cmd_service, service=name)
+
+    ask = sub.add_parser("ask", help="route a prompt, wait, print the answer")
+    ask.add_argument("prompt")
+    ask.add_argument("--model", "-m", required=True)
+    ask.add_argument("--worker", "-w")
+    ask.add_argument("--domain")
+    ask.add_argument("--timeout", type=float, default=None, help="seconds the task may run")
+    ask.add_argument("--json", action="store_true", help="print the reply body as is")
+    ask.set_defaults(func=cmd_ask)
+
+    task = sub.add_parser("task", help="show one task")
+    task.add_argument("task_id")
+    task.add_argument("--json", action="store_true")
+    task.set_defaults(func=cmd_task)
+
+    ws = sub.add_parser("workers", help="list live workers")
+    ws.add_argument("--json", action="store_true")
+    ws.set_defaults(func=cmd_workers)
+
+    sch = sub.add_parser("schemas", help="wire types")
+    sch_sub = sch.add_subparsers(dest="schemas_command", required=True, metavar="ACTION")
+    export = sch_sub.add_parser("export", help="write one JSON Schema per wire type into DIR")
+    export.add_argument("dir", type=Path)
+    export.set_defaults(func=cmd_schemas_export)
+    return parser
+
+
+# -- services -----------------------------------------------------------------------------------
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    settings: Settings
+    runner: Callable[[Any, asyncio.Event], Awaitable[None]]
+    if args.service == "router":
+        from services.router.service import run as runner
+
+        settings = RouterSettings.from_env()
+    elif args.service == "worker":
+        from services.worker.service import run as runner
+
+        settings = WorkerSettings.from_env()
+    else:
+        from services.stats.service import run as runner
+
+        settings = StatsSettings.from_env()
+    setup_logging(settings.log_level, settings.log_format)
+    setup_tracing(f"coordinator-{args.service}")
+    run_until_stopped(lambda stop: runner(settings, stop))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.cli.stack import up
+
+    return up()
+
+
+# -- client commands ----------------------------------------------------------------------------
+
+
+def _request(subject: str, body: bytes, timeout_s: float) -> bytes:
+    async def go() -> bytes:
+        nc = await open_client()
+        try:
+            return await call(nc, subject, body, timeout_s)
+        finally:
+            await nc.close()
+
+    setup_logging("error", "console", stream=sys.stderr)
+    return asyncio.run(go())
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    request = route.RouteRequest(
+        prompt=args.prompt,
+        model=args.model,
+        worker=args.worker,
+        domain=args.domain,
+        wait=True,
+        timeout_s=args.timeout,
+    )
+    # The router waits for the task's own timeout plus a margin; wait a little longer than that.
+    budget = (args.timeout or 300.0) + 60.0
+    body = _request(ROUTE, _json.encode(request), budget)
+    if args.json:
+        print(body.decode())
+    reply = msgspec.json.decode(body, type=route.RouteReply)
+    if reply.status == "failed":
+        print(
+            f"error task_failed: task {reply.task_id} on {reply.worker}: {reply.error}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    if not args.json:
+        print(reply.response or "")
+        print(f"task {reply.task_id} done on {reply.worker}", file=sys.stderr)
+    return 0
+
+
+def cmd_task(args: argparse.Namespace) -> int:
+    body = _request(TASK, _json.encode(queries.TaskQuery(task_id=args.task_id)), 10.0)
+    if args.json:
+        print(body.decode())
+        return 0
+    view = msgspec.json.decode(body, type=queries.TaskView)
+    rows: list[tuple[str, Any]] = [
+        ("task", view.task_id),
+        ("status", view.status),
+        ("model", view.model),
+        ("domain", view.domain),
+        ("type", view.task_type),
+        ("worker", view.worker),
+        ("queue", view.queue),
+        ("attempts", view.attempts),
+        ("created", _when(view.created_at)),
+        ("ended", _when(view.ended_at)),
+    ]
+    if view.durations is not None:
+        d = view.durations
+        rows.append(
+            (
+                "durations",
+                f"total {d.total_ms:.0f} ms, load {_ms(d.load_ms)}, "
+                f"prompt eval {_ms(d.prompt_eval_ms)}, eval {_ms(d.eval_ms)}",
+            )
+        )
+    if view.tokens is not None:
+        rows.append(("tokens", f"prompt {view.tokens.prompt}, eval {view.tokens.eval}"))
+    if view.error:
+        rows.append(("error", view.error))
+    if view.thinking:
+        rows.append(("thinking", view.thinking))
+    rows.append(("response", view.response))
+    for key, value in rows:
+        if value is not None:
+            print(f"{key:>10}  {value}")
+    return 0
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    body = _request(WORKERS, b"{}", 10.0)
+    if args.json:
+        print(body.decode())
+        return 0
+    reply = msgspec.json.decode(body, type=queries.WorkersReply)
+    if not reply.workers:
+        print("no live workers")
+        return 0
+    header = ("WORKER", "HOST", "TIER", "STATE", "QUEUE", "HEARTBEAT", "MODELS")
+    print("{:<20} {:<16} {:<4} {:<8} {:>5} {:>9}  {}".format(*header))
+    now = time.time()
+    for w in reply.workers:
+        print(
+            f"{w.worker_id:<20} {w.host:<16} {w.tier:<4} {w.state:<8} {w.queue_depth:>5} "
+            f"{now - w.last_heartbeat:>7.1f}s  {', '.join(w.models)}"
+        )
+    return 0
+
+
+def cmd_schemas_export(args: argparse.Namespace) -> int:
+    args.dir.mkdir(parents=True, exist_ok=True)
+    types: dict[str, Any] = {
+        "RouteRequest": route.RouteRequest,
+        "RouteReply": route.RouteReply,
+        "ErrorBody": route.ErrorBody,
+        "TaskMessage": tasks.TaskMessage,
+        "TaskEvent": events.TaskEvent,
+        "WorkerEvent": events.WorkerEvent,
+        "WorkerRecord": workers.WorkerRecord,
+        "TaskQuery": queries.TaskQuery,
+        "TaskView": queries.TaskView,
+        "WorkersReply": queries.WorkersReply,
+    }
+    for name, tp in types.items():
+        path = args.dir / f"{name}.json"
+        path.write_bytes(
+            msgspec.json.format(_json.encode(msgspec.json.schema(tp)), indent=2) + b"\n"
+        )
+        print(path)
+    return 0
+
+
+def _when(at: float | None) -> str | None:
+    return None if at is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+if __name__ == "__main__":
+    main()

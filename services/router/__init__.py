@@ -1,0 +1,1 @@
+"""The router: validates route requests, picks a worker, publishes the task."""

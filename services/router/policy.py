@@ -1,0 +1,114 @@
+"""Routing policy: which worker gets a task. Pure: no I/O, no clock, no randomness.
+
+Lesson 1 of the design: the tier is not a property of the model name. It is decided here, from
+who is live: a model listed in ``GPU_MODELS`` (every model, when the list is empty) goes to a
+GPU worker when a live GPU worker has it, else to a CPU worker that has it, else the request is
+refused with an error that names the model and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+from schemas.subjects import Tier, worker_queue
+from schemas.workers import WorkerRecord
+from services.runtime.errors import NoWorker
+
+
+class WorkerUnavailable(NoWorker):
+    """The designated worker cannot take the task; never silently rerouted."""
+
+    code = "worker_unavailable"
+
+
+# Typical duration (ms) assumed for a worker with no figures yet; only the ratio between
+# candidates matters, so any positive constant gives "least loaded first".
+PRIOR_TYPICAL_MS = 1_000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    worker_id: str
+    tier: Tier
+    queue: str
+    reason: str
+
+
+def tier_of(record: WorkerRecord) -> Tier:
+    """A worker that can run on a GPU is a GPU worker; its CPU is the fallback elsewhere."""
+    return "gpu" if "gpu_inference" in record.supports else "cpu"
+
+
+def live(records: Iterable[WorkerRecord], now: float, ttl_s: float) -> list[WorkerRecord]:
+    """Workers whose last heartbeat is younger than ``ttl_s``.
+
+    The bucket's TTL removes silent workers' entries, but nats-server 2.9 sends no notice when
+    it does, so a watcher must also judge freshness itself.
+    """
+    return [r for r in records if now - r.heartbeat_at < ttl_s and r.state != "stopping"]
+
+
+def expected_completion_ms(depth: int, typical_ms: float = PRIOR_TYPICAL_MS) -> float:
+    """(tasks queued or running on the worker + 1) × its typical duration."""
+    return (depth + 1) * typical_ms
+
+
+def choose(
+    model: str,
+    workers: Collection[WorkerRecord],
+    *,
+    designated: str | None = None,
+    gpu_models: Collection[str] = (),
+    depth: Mapping[str, int] | None = None,
+) -> Decision:
+    """Pick the worker for one task among live ``workers``, or raise `NoWorker`.
+
+    ``depth`` is the number of tasks queued or running per worker id. Ties go to the smallest
+    worker id, so the same state always gives the same answer.
+    """
+    depths = depth or {}
+    if designated is not None:
+        return _designated(model, workers, designated)
+
+    serving = [w for w in workers if model in w.models]
+    if not serving:
+        raise NoWorker(_why_nobody(model, workers))
+
+    prefer_gpu = not gpu_models or model in gpu_models
+    gpu = [w for w in serving if tier_of(w) == "gpu"]
+    if prefer_gpu and gpu:
+        pool, why = gpu, "gpu worker live with the model"
+    elif prefer_gpu:
+        pool, why = serving, "no live gpu worker has the model; cpu fallback"
+    else:
+        pool, why = serving, "least expected completion time"
+
+    best = min(
+        pool, key=lambda w: (expected_completion_ms(depths.get(w.worker_id, 0)), w.worker_id)
+    )
+    tier = tier_of(best)
+    return Decision(best.worker_id, tier, worker_queue(tier, best.worker_id), why)
+
+
+def _designated(model: str, workers: Collection[WorkerRecord], worker_id: str) -> Decision:
+    record = next((w for w in workers if w.worker_id == worker_id), None)
+    if record is None:
+        raise WorkerUnavailable(f"worker '{worker_id}' is not live (no fresh registration)")
+    if model not in record.models:
+        served = ", ".join(sorted(record.models)) or "none"
+        raise WorkerUnavailable(
+            f"worker '{worker_id}' does not serve model '{model}' (it serves: {served})"
+        )
+    tier = tier_of(record)
+    return Decision(worker_id, tier, worker_queue(tier, worker_id), "designated worker")
+
+
+def _why_nobody(model: str, workers: Collection[WorkerRecord]) -> str:
+    if not workers:
+        return f"no live worker serves model '{model}': no worker is registered and alive"
+    served = sorted({m for w in workers for m in w.models})
+    return (
+        f"no live worker serves model '{model}' "
+        f"(live workers: {len(workers)}; models they serve: {', '.join(served) or 'none'})"
+    )

@@ -1,0 +1,1 @@
+"""What every service shares: settings, bus, lifecycle, logging, tracing, errors."""

@@ -1,0 +1,126 @@
+"""Settings from the environment: one frozen Struct per service, checked at start.
+
+A field ``nats_url`` is read from ``NATS_URL``; list fields are comma-separated. A missing
+required variable or a malformed value stops the start with an error naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from schemas.subjects import InvalidId, check_worker_id
+from schemas.workers import Capability
+from services.runtime.errors import ConfigError
+
+S = TypeVar("S", bound="Settings")
+
+LogFormat = Literal["auto", "json", "console"]
+
+
+def default_worker_id() -> str:
+    """The host's short name, made safe for a subject token."""
+    name = socket.gethostname().split(".")[0]
+    cleaned = re.sub(r"[^A-Za-z0-9_-]", "-", name).strip("-") or "worker"
+    return cleaned[:128] if cleaned not in {"shared", "web"} else f"{cleaned}-worker"
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings every service has."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    log_level: str = "info"
+    log_format: LogFormat = "auto"
+
+    @classmethod
+    def from_env(cls: type[S], environ: Mapping[str, str] | None = None) -> S:
+        """Read this Struct's fields from the environment (``os.environ`` by default)."""
+        env = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        for field in msgspec.structs.fields(cls):
+            value = env.get(field.name.upper())
+            if value is None or value.strip() == "":
+                continue
+            raw[field.name] = _split(value) if _is_list(field.type) else value.strip()
+        try:
+            settings = msgspec.convert(raw, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_name_variable(str(exc), raw)) from None
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Cross-field checks; raise `ConfigError` naming the variable."""
+
+
+class RouterSettings(Settings, frozen=True, kw_only=True):
+    max_prompt_chars: int = 200_000
+    default_timeout_s: float = 300.0
+    worker_ttl_s: float = 15.0
+    gpu_models: list[str] = []
+
+
+class WorkerSettings(Settings, frozen=True, kw_only=True):
+    worker_id: str = msgspec.field(default_factory=default_worker_id)
+    worker_host: str = msgspec.field(default_factory=socket.gethostname)
+    worker_supports: list[Capability] = msgspec.field(default_factory=lambda: ["cpu_inference"])
+    worker_models: list[str] = []
+    ollama_host: str = "http://localhost:11434"
+    heartbeat_interval_s: float = 5.0
+    worker_ttl_s: float = 15.0
+    ack_wait_s: float = 30.0
+    backend_connect_timeout_s: float = 5.0
+    stop_grace_s: float = 30.0
+
+    def check(self) -> None:
+        try:
+            check_worker_id(self.worker_id)
+        except InvalidId as exc:
+            raise ConfigError(f"WORKER_ID: {exc}") from None
+        if not self.worker_supports:
+            raise ConfigError("WORKER_SUPPORTS: name at least one of cpu_inference, gpu_inference")
+        if self.heartbeat_interval_s <= 0 or self.worker_ttl_s <= self.heartbeat_interval_s:
+            raise ConfigError("WORKER_TTL_S must be longer than HEARTBEAT_INTERVAL_S (> 0)")
+
+
+class StatsSettings(Settings, frozen=True, kw_only=True):
+    pg_dsn: str
+    batch_size: int = 256
+
+
+class UpSettings(Settings, frozen=True, kw_only=True):
+    """``coordinator up``: NATS_URL and PG_DSN unset mean 'start them embedded'."""
+
+    pg_dsn: str | None = None
+    ollama_host: str = "http://localhost:11434"
+    coordinator_home: str = msgspec.field(
+        default_factory=lambda: os.path.join(os.path.expanduser("~"), ".coordinator")
+    )
+
+
+def _is_list(tp: Any) -> bool:
+    return getattr(tp, "__origin__", None) is list or (
+        hasattr(tp, "__args__") and any(getattr(a, "__origin__", None) is list for a in tp.__args__)
+    )
+
+
+def _split(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _name_variable(message: str, raw: Mapping[str, Any]) -> str:
+    """msgspec says ``... - at `$.nats_url```; say ``NATS_URL='...': ...`` instead."""
+    match = re.search(r"at `\$\.(\w+)", message)
+    if match:
+        text = message[: match.start()].rstrip(" -")
+        field = match.group(1)
+        return f"{field.upper()}={raw.get(field)!r} is malformed: {text}"
+    missing = re.search(r"missing required field `(\w+)`", message)
+    if missing:
+        return f"{missing.group(1).upper()} is required but not set"
+    return message

@@ -1,0 +1,125 @@
+"""Running the real services in-process for integration tests.
+
+Each service runs as an asyncio task with its own NATS connection, exactly as ``coordinator up``
+runs them; `ServiceRunner` stops them through their stop events, as SIGTERM would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import suppress
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+
+from schemas.route import ErrorBody
+from services.router.service import run as run_router
+from services.runtime.settings import RouterSettings, StatsSettings, WorkerSettings
+from services.worker.service import run as run_worker
+
+FAST_WORKER = {
+    "heartbeat_interval_s": 0.5,
+    "worker_ttl_s": 3.0,
+    "ack_wait_s": 6.0,
+    "stop_grace_s": 5.0,
+}
+
+
+class ServiceRunner:
+    """Starts services as tasks and stops them all at the end."""
+
+    def __init__(self) -> None:
+        self._running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    def start(
+        self, fn: Callable[[Any, asyncio.Event], Coroutine[Any, Any, None]], settings: Any
+    ) -> asyncio.Task[None]:
+        stop = asyncio.Event()
+        task = asyncio.create_task(fn(settings, stop))
+        self._running.append((stop, task))
+        return task
+
+    def router(self, nats_url: str, **overrides: Any) -> asyncio.Task[None]:
+        return self.start(
+            run_router, RouterSettings(nats_url=nats_url, worker_ttl_s=3.0, **overrides)
+        )
+
+    def worker(
+        self, nats_url: str, ollama_url: str, worker_id: str, **overrides: Any
+    ) -> asyncio.Task[None]:
+        options = {**FAST_WORKER, **overrides}
+        return self.start(
+            run_worker,
+            WorkerSettings(
+                nats_url=nats_url,
+                ollama_host=ollama_url,
+                worker_id=worker_id,
+                worker_host=f"host-{worker_id}",
+                **options,
+            ),
+        )
+
+    def stats(self, nats_url: str, pg_dsn: str) -> asyncio.Task[None]:
+        from services.stats.service import run as run_stats
+
+        return self.start(run_stats, StatsSettings(nats_url=nats_url, pg_dsn=pg_dsn))
+
+    async def stop(self, task: asyncio.Task[None]) -> None:
+        for stop, running in self._running:
+            if running is task:
+                stop.set()
+        with suppress(Exception):
+            await asyncio.wait_for(task, timeout=15)
+
+    async def stop_all(self) -> None:
+        for stop, _ in self._running:
+            stop.set()
+        for _, task in self._running:
+            with suppress(Exception):
+                await asyncio.wait_for(task, timeout=15)
+        self._running.clear()
+
+
+async def request(
+    nc: Client, subject: str, body: Any, timeout_s: float = 30.0
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Send a JSON request; return the decoded reply body and its headers."""
+    data = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    reply = await nc.request(subject, data, timeout=timeout_s)
+    return msgspec.json.decode(reply.data), dict(reply.headers or {})
+
+
+def error_of(body: dict[str, Any]) -> ErrorBody:
+    return msgspec.convert(body, ErrorBody)
+
+
+async def eventually(
+    check: Callable[[], Awaitable[Any]], timeout_s: float = 10.0, interval_s: float = 0.05
+) -> Any:
+    """Poll ``check`` until it returns something truthy; fail with its last value otherwise."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s} s (last value: {last!r})")
+
+
+async def workers_live(nc: Client, count: int) -> list[dict[str, Any]]:
+    """Wait until ``coordinator.workers`` lists ``count`` live workers."""
+
+    async def check() -> list[dict[str, Any]] | None:
+        try:
+            body, _ = await request(nc, "coordinator.workers", {}, timeout_s=2.0)
+        except Exception:
+            return None
+        workers: list[dict[str, Any]] = body["workers"]
+        return workers if len(workers) >= count else None
+
+    result: list[dict[str, Any]] = await eventually(check, timeout_s=20.0)
+    return result

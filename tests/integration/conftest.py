@@ -1,0 +1,33 @@
+"""Fixtures for integration tests: the Ollama stand-in, a client, the service runner."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from tests.fakes.ollama import FakeOllama
+from tests.harness import ServiceRunner
+from tests.servers import NatsServer
+
+
+@pytest.fixture
+def ollama() -> Iterator[FakeOllama]:
+    with FakeOllama() as fake:
+        yield fake
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def runner() -> AsyncIterator[ServiceRunner]:
+    services = ServiceRunner()
+    yield services
+    await services.stop_all()

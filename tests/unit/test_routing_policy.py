@@ -1,0 +1,82 @@
+"""The routing policy, case by case (lesson 1: the tier is decided from who is live)."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.workers import Capability, WorkerRecord
+from services.router.policy import WorkerUnavailable, choose, live
+from services.runtime.errors import NoWorker
+
+
+def worker(
+    worker_id: str, *models: str, gpu: bool = False, heartbeat_at: float = 100.0
+) -> WorkerRecord:
+    supports: list[Capability] = ["gpu_inference"] if gpu else ["cpu_inference"]
+    return WorkerRecord(
+        worker_id=worker_id,
+        host=worker_id,
+        instance_id="i",
+        pid=1,
+        version="t",
+        supports=supports,
+        models=list(models),
+        started_at=0.0,
+        heartbeat_at=heartbeat_at,
+    )
+
+
+def test_a_model_goes_to_a_gpu_worker_when_one_is_live_with_it() -> None:
+    fleet = [worker("cpu-a", "qwen3:8b"), worker("mac", "qwen3:8b", gpu=True)]
+    decision = choose("qwen3:8b", fleet)
+    assert (decision.worker_id, decision.queue) == ("mac", "tasks.gpu.mac")
+
+
+def test_the_same_model_falls_back_to_a_cpu_worker_when_no_gpu_worker_has_it() -> None:
+    fleet = [worker("cpu-a", "qwen3:8b"), worker("mac", "gemma3:12b", gpu=True)]
+    decision = choose("qwen3:8b", fleet)
+    assert (decision.worker_id, decision.queue) == ("cpu-a", "tasks.cpu.cpu-a")
+    assert "cpu fallback" in decision.reason
+
+
+def test_models_outside_gpu_models_go_to_the_least_loaded_worker_of_any_tier() -> None:
+    fleet = [worker("cpu-a", "gemma3:1b"), worker("mac", "gemma3:1b", gpu=True)]
+    decision = choose("gemma3:1b", fleet, gpu_models=["qwen3:8b"], depth={"mac": 2})
+    assert decision.worker_id == "cpu-a"
+
+
+def test_among_equals_the_least_loaded_wins_and_ties_go_to_the_smallest_id() -> None:
+    fleet = [worker("b", "m"), worker("a", "m"), worker("c", "m")]
+    assert choose("m", fleet).worker_id == "a"
+    assert choose("m", fleet, depth={"a": 1}).worker_id == "b"
+    assert choose("m", fleet, depth={"a": 1, "b": 1, "c": 1}).worker_id == "a"
+
+
+def test_no_live_worker_with_the_model_is_an_error_naming_the_model() -> None:
+    with pytest.raises(NoWorker, match=r"'llama3:70b'.*models they serve: gemma3:1b"):
+        choose("llama3:70b", [worker("cpu-a", "gemma3:1b")])
+
+
+def test_an_empty_fleet_says_so() -> None:
+    with pytest.raises(NoWorker, match="no worker is registered"):
+        choose("gemma3:1b", [])
+
+
+def test_a_designated_worker_is_honoured_even_when_another_is_preferred() -> None:
+    fleet = [worker("cpu-a", "qwen3:8b"), worker("mac", "qwen3:8b", gpu=True)]
+    assert choose("qwen3:8b", fleet, designated="cpu-a").queue == "tasks.cpu.cpu-a"
+
+
+def test_a_designated_worker_that_is_not_live_is_an_error_not_a_reroute() -> None:
+    with pytest.raises(WorkerUnavailable, match="'mac' is not live"):
+        choose("qwen3:8b", [worker("cpu-a", "qwen3:8b")], designated="mac")
+
+
+def test_a_designated_worker_without_the_model_is_an_error_listing_what_it_serves() -> None:
+    with pytest.raises(WorkerUnavailable, match=r"does not serve model 'qwen3:8b'.*gemma3:1b"):
+        choose("qwen3:8b", [worker("cpu-a", "gemma3:1b")], designated="cpu-a")
+
+
+def test_workers_with_a_stale_heartbeat_are_not_live() -> None:
+    fresh, stale = worker("a", heartbeat_at=95.0), worker("b", heartbeat_at=80.0)
+    assert live([fresh, stale], now=100.0, ttl_s=15.0) == [fresh]

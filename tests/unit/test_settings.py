@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+
+from services.runtime.errors import ConfigError
+from services.runtime.settings import RouterSettings, StatsSettings, WorkerSettings
+
+
+def test_defaults_apply_when_the_environment_is_empty() -> None:
+    settings = WorkerSettings.from_env({})
+    assert settings.nats_url == "nats://127.0.0.1:4222"
+    assert settings.ollama_host == "http://localhost:11434"
+    assert settings.worker_supports == ["cpu_inference"]
+
+
+def test_values_and_comma_separated_lists_are_read() -> None:
+    settings = WorkerSettings.from_env(
+        {
+            "NATS_URL": "nats://bus:4222",
+            "WORKER_ID": "mac-m2",
+            "WORKER_SUPPORTS": "gpu_inference, cpu_inference",
+            "WORKER_MODELS": "qwen3:8b,gemma3:12b",
+            "HEARTBEAT_INTERVAL_S": "2",
+        }
+    )
+    assert settings.nats_url == "nats://bus:4222"
+    assert settings.worker_supports == ["gpu_inference", "cpu_inference"]
+    assert settings.worker_models == ["qwen3:8b", "gemma3:12b"]
+    assert settings.heartbeat_interval_s == 2.0
+    assert RouterSettings.from_env({"GPU_MODELS": "a,b"}).gpu_models == ["a", "b"]
+
+
+def test_a_missing_required_variable_is_named() -> None:
+    with pytest.raises(ConfigError, match="PG_DSN is required"):
+        StatsSettings.from_env({})
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"HEARTBEAT_INTERVAL_S": "soon"}, "HEARTBEAT_INTERVAL_S='soon'"),
+        ({"WORKER_SUPPORTS": "cpu_inference,tpu"}, "WORKER_SUPPORTS"),
+        ({"WORKER_ID": "box.lan"}, "WORKER_ID"),
+        ({"HEARTBEAT_INTERVAL_S": "20", "WORKER_TTL_S": "10"}, "WORKER_TTL_S"),
+        ({"LOG_FORMAT": "xml"}, "LOG_FORMAT"),
+    ],
+)
+def test_a_malformed_value_is_refused_naming_the_variable(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        WorkerSettings.from_env(env)

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import pytest
+
+from schemas.subjects import InvalidId, task_event, task_events, worker_event, worker_queue
+
+
+def test_subjects_are_built_from_safe_ids() -> None:
+    assert worker_queue("cpu", "box-1") == "tasks.cpu.box-1"
+    assert worker_queue("gpu", "mac_m2") == "tasks.gpu.mac_m2"
+    assert task_event("t1", "completed") == "events.task.t1.completed"
+    assert task_events("t1") == "events.task.t1.>"
+    assert worker_event("box-1", "registered") == "events.worker.box-1.registered"
+
+
+@pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "a*", "", "x" * 129, "tab\t", "ü"])
+def test_ids_that_would_break_a_subject_are_refused(bad: str) -> None:
+    with pytest.raises(InvalidId, match="invalid worker id"):
+        worker_queue("cpu", bad)
+    with pytest.raises(InvalidId, match="invalid task id"):
+        task_event(bad, "completed")
+
+
+@pytest.mark.parametrize("reserved", ["shared", "web"])
+def test_names_that_are_queues_of_their_own_cannot_be_worker_ids(reserved: str) -> None:
+    with pytest.raises(InvalidId):
+        worker_queue("cpu", reserved)
