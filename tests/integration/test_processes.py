@@ -1,0 +1,210 @@
+"""Services as separate processes, the way a fleet runs them: the ``coordinator`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from tests.fakes.ollama import FakeOllama
+from tests.harness import ServiceRunner, request, workers_live
+from tests.servers import NatsServer
+
+MODEL = "qwen2.5:0.5b"
+COORDINATOR = str(Path(sys.executable).parent / "coordinator")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any Coordinator setting, plus ``extra``."""
+    names = ("NATS_URL", "PG_DSN", "OLLAMA_HOST", "WORKER_ID", "WORKER_SUPPORTS", "WORKER_MODELS")
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    env.update(LOG_FORMAT="json", **extra)
+    return env
+
+
+class Processes:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    procs = Processes()
+    yield procs
+    procs.stop_all()
+
+
+def worker_env(nats_server: NatsServer, ollama: FakeOllama, worker_id: str) -> dict[str, str]:
+    return clean_env(
+        NATS_URL=nats_server.url,
+        OLLAMA_HOST=ollama.url,
+        WORKER_ID=worker_id,
+        WORKER_HOST="box-a",
+        HEARTBEAT_INTERVAL_S="0.5",
+        WORKER_TTL_S="3",
+    )
+
+
+async def test_a_second_process_with_the_same_worker_id_is_refused_naming_the_holder(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, processes: Processes
+) -> None:
+    env = worker_env(nats_server, ollama, "cpu-1")
+    first = processes.start([COORDINATOR, "worker"], env)
+    await workers_live_via_kv(nc, "cpu-1")
+
+    second = processes.start([COORDINATOR, "worker"], {**env, "WORKER_HOST": "box-b"})
+    _, stderr = await asyncio.to_thread(second.communicate, timeout=30)
+
+    assert second.returncode != 0
+    assert "duplicate_worker" in stderr
+    assert "already running: host box-a" in stderr
+    assert f"pid {first.pid}" in stderr
+    assert "started 20" in stderr
+    assert first.poll() is None
+
+
+async def workers_live_via_kv(nc: Client, worker_id: str) -> None:
+    kv = None
+    for _ in range(200):
+        try:
+            kv = await nc.jetstream().key_value("workers")
+            await kv.get(worker_id)
+            return
+        except Exception:
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"worker {worker_id} never registered (bucket: {kv})")
+
+
+async def test_two_processes_bound_to_one_worker_queue_never_run_two_tasks_at_once(
+    nats_server: NatsServer,
+    nc: Client,
+    ollama: FakeOllama,
+    processes: Processes,
+    runner: ServiceRunner,
+) -> None:
+    env = worker_env(nats_server, ollama, "cpu-1")
+    processes.start([COORDINATOR, "worker"], env)
+    await workers_live_via_kv(nc, "cpu-1")
+    puller = processes.start([sys.executable, "-m", "tests.integration.second_puller"], env)
+    assert puller.stdout is not None
+    assert (await asyncio.to_thread(puller.stdout.readline)).strip() == "bound"
+    runner.router(nats_server.url)
+    await workers_live(nc, 1)
+    ollama.delay_s = 0.2
+    ended = await nc.subscribe("events.task.*.completed")
+
+    for i in range(8):
+        body, _ = await request(nc, "coordinator.route", {"prompt": f"{i}+1", "model": MODEL})
+        assert body["status"] == "queued"
+    for _ in range(8):
+        await ended.next_msg(timeout=30)
+
+    stats = ollama.stats()
+    assert stats["generate_calls"] == 8
+    assert stats["concurrent_max"] == 1
+
+
+def run_cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [COORDINATOR, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+async def test_coordinator_up_runs_the_stack_that_ask_and_task_then_use(
+    tmp_path: Path, ollama: FakeOllama, processes: Processes
+) -> None:
+    env = clean_env(OLLAMA_HOST=ollama.url, COORDINATOR_HOME=str(tmp_path / "home"))
+    up = processes.start([COORDINATOR, "up"], env)
+    assert up.stderr is not None
+    banner: list[str] = []
+    while not any(line.startswith("ready") for line in banner):
+        line = await asyncio.to_thread(up.stderr.readline)
+        assert line, f"coordinator up ended early: {''.join(banner)}"
+        banner.append(line)
+    text = "".join(banner)
+    assert "(embedded, store" in text
+    assert "Ctrl-C" in text
+    assert (tmp_path / "home" / "stack.json").exists()
+
+    answer = await asyncio.to_thread(run_cli, "ask", "1+1は？", "--model", MODEL, env=env)
+    for _ in range(100):  # the worker may still be registering
+        if answer.returncode == 0:
+            break
+        assert "no_worker" in answer.stderr, answer.stderr
+        await asyncio.sleep(0.2)
+        answer = await asyncio.to_thread(run_cli, "ask", "1+1は？", "--model", MODEL, env=env)
+    assert answer.returncode == 0, answer.stderr
+    assert answer.stdout.strip() == "2"
+    task_id = answer.stderr.split()[1]
+
+    shown = await asyncio.to_thread(run_cli, "task", task_id, env=env)
+    for _ in range(50):  # the projection follows the event log within moments
+        if shown.returncode == 0 and "done" in shown.stdout:
+            break
+        await asyncio.sleep(0.1)
+        shown = await asyncio.to_thread(run_cli, "task", task_id, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "status  done" in shown.stdout
+    assert "durations  total" in shown.stdout
+    assert "response  2" in shown.stdout
+
+    workers = await asyncio.to_thread(run_cli, "workers", env=env)
+    assert MODEL in workers.stdout
+
+    unknown = await asyncio.to_thread(run_cli, "ask", "hi", "--model", "nope:1b", env=env)
+    assert unknown.returncode == 1
+    assert unknown.stderr.startswith("error no_worker:")
+
+    up.send_signal(signal.SIGINT)
+    _, rest = await asyncio.to_thread(up.communicate, timeout=30)
+    assert up.returncode == 0, rest
+    assert "stack stopped" in rest
+    assert not (tmp_path / "home" / "stack.json").exists()
+
+
+async def test_coordinator_up_says_plainly_when_ollama_cannot_be_reached(
+    tmp_path: Path, processes: Processes
+) -> None:
+    env = clean_env(OLLAMA_HOST="http://127.0.0.1:9", COORDINATOR_HOME=str(tmp_path / "home"))
+    up = processes.start([COORDINATOR, "up"], env)
+    assert up.stderr is not None
+    lines: list[str] = []
+    while not any(line.startswith("ready") for line in lines):
+        line = await asyncio.to_thread(up.stderr.readline)
+        assert line, "".join(lines)
+        lines.append(line)
+    assert any("Ollama at http://127.0.0.1:9 cannot be reached" in line for line in lines)
+    up.send_signal(signal.SIGINT)
+    await asyncio.to_thread(up.communicate, timeout=30)
+    assert up.returncode == 0
+
+
+def test_a_worker_with_a_malformed_setting_stops_at_start_naming_it() -> None:
+    result = run_cli("worker", env=clean_env(HEARTBEAT_INTERVAL_S="soon"))
+    assert result.returncode == 2
+    assert "HEARTBEAT_INTERVAL_S='soon' is malformed" in result.stderr
