@@ -1,0 +1,1030 @@
+"""A stand-in for the Ollama HTTP API: real HTTP/1.1 over a real socket, fake models.
+
+It answers the endpoints a worker uses (``/api/tags``, ``/api/generate``, ``/api/chat``,
+``/api/show``, ``/api/ps``, ``/api/version``, ``/``) with Ollama's shapes and status codes:
+NDJSON streamed with chunked transfer encoding by default, one JSON object with
+``"stream": false``, durations in nanoseconds, ``{"error": ...}`` bodies on failure.
+
+Answers are deterministic: a prompt holding a small integer sum or product (``"1+1は？"``,
+``"what is 6*7"``) is answered with the result; anything else is echoed back as
+``"Echo from <model>: <prompt[:200]>"``. Models listed in ``thinking_models`` (and served)
+also produce a ``thinking`` text, kept apart from the answer as Ollama does.
+
+Behaviour is steered through attributes (``delay_s``, ``fail_status``, ``models``, ...), from
+Python or over HTTP (``POST /_fake/config`` with the same names), so a copy started in another
+process (``python -m tests.fakes.ollama --port P``) can be steered too. ``GET /_fake/stats``
+reports how many generations were asked for and how many ran at once (``generate_calls``,
+``chat_calls``, ``concurrent_max``, ``in_flight``, plus ``connections`` opened and generations
+``cancelled`` because the client hung up); ``POST /_fake/reset`` zeroes the counters and
+restores the knobs given at construction.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http
+import itertools
+import json
+import re
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import FrameType, TracebackType
+from typing import Any, ClassVar, Self, cast
+from urllib.parse import urlsplit
+
+__all__ = [
+    "DEFAULT_MODELS",
+    "DEFAULT_THINKING_MODELS",
+    "OLLAMA_VERSION",
+    "FakeOllama",
+    "main",
+]
+
+DEFAULT_MODELS: tuple[str, ...] = ("qwen2.5:0.5b", "gemma3:1b")
+DEFAULT_THINKING_MODELS: tuple[str, ...] = ("qwen3:0.6b",)
+OLLAMA_VERSION = "0.12.0"
+
+# Synthetic speeds used for the reported (not slept) prompt evaluation and generation times.
+PROMPT_EVAL_NS_PER_TOKEN = 100_000  # 10 000 tokens/s
+EVAL_NS_PER_TOKEN = 2_000_000  # 500 tokens/s
+
+_NS_PER_MS = 1_000_000
+_KEEP_ALIVE_NS = 5 * 60 * 1_000_000_000
+_MODIFIED_AT = "2025-06-01T12:00:00.123456789Z"
+
+_KNOBS = (
+    "delay_s",
+    "fail_status",
+    "models",
+    "thinking_models",
+    "load_ms",
+    "chunk_delay_s",
+    "error_after_chunks",
+    "drop_after_chunks",
+)
+
+# "1+1", "12 * 3", "２×３" (full-width digits and signs too); no minus, it would catch dates.
+_ARITHMETIC = re.compile(r"([-−]?\d+)\s*([+＋*＊×])\s*([-−]?\d+)")
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+_PIECE = re.compile(r"\s*\S{1,6}\s*")
+_PARAMETERS = re.compile(r"(\d+(?:\.\d+)?)([bm])", re.IGNORECASE)
+
+_FAILURE_MESSAGES = {
+    500: "llama runner process has terminated: signal: killed",
+    503: "server busy, please try again.  maximum pending requests exceeded",
+}
+
+
+class _ApiError(Exception):
+    """Answer the request with ``status`` and Ollama's ``{"error": message}`` body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _now() -> str:
+    """The current UTC time as Go's RFC 3339 with nanoseconds (trailing zeros trimmed)."""
+    ns = time.time_ns()
+    seconds, fraction = divmod(ns, 1_000_000_000)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+    digits = f"{fraction:09d}".rstrip("0")
+    return f"{stamp}.{digits}Z" if digits else f"{stamp}Z"
+
+
+def _normalize(name: str) -> str:
+    """Ollama's short name: a missing tag means ``latest``; names compare case-insensitively."""
+    name = name.strip().lower()
+    if name.startswith("registry.ollama.ai/"):
+        name = name.removeprefix("registry.ollama.ai/")
+    name = name.removeprefix("library/")
+    last = name.rsplit("/", 1)[-1]
+    return name if ":" in last else f"{name}:latest"
+
+
+def _count_tokens(text: str) -> int:
+    return len(_TOKEN.findall(text))
+
+
+def _pieces(text: str) -> list[str]:
+    """Split into word-ish pieces whose concatenation is exactly ``text``."""
+    if not text.strip():
+        return [text] if text else []
+    return _PIECE.findall(text)
+
+
+def _answer(model: str, prompt: str) -> str:
+    match = _ARITHMETIC.search(prompt)
+    if match is not None:
+        left = int(match.group(1).replace("−", "-"))
+        right = int(match.group(3).replace("−", "-"))
+        result = left + right if match.group(2) in "+＋" else left * right
+        return str(result)
+    return f"Echo from {model}: {prompt[:200]}"
+
+
+def _thinking(prompt: str, answer: str) -> str:
+    return (
+        f"Let me think about: {prompt[:100].strip()}. "
+        f"Working through it step by step, the answer is {answer[:40]}."
+    )
+
+
+def _parameter_count(normalized: str) -> int:
+    tag = normalized.rsplit(":", 1)[-1]
+    match = _PARAMETERS.search(tag)
+    if match is None:
+        return 3_000_000_000
+    scale = 1_000_000_000 if match.group(2).lower() == "b" else 1_000_000
+    return int(float(match.group(1)) * scale)
+
+
+def _human_parameters(count: int) -> str:
+    if count >= 1_000_000_000:
+        return f"{count / 1_000_000_000:g}B"
+    return f"{count / 1_000_000:.2f}M"
+
+
+def _details(name: str) -> dict[str, Any]:
+    normalized = _normalize(name)
+    base = normalized.rsplit(":", 1)[0].rsplit("/", 1)[-1]
+    family = base.split(".", 1)[0] or base
+    return {
+        "parent_model": "",
+        "format": "gguf",
+        "family": family,
+        "families": [family],
+        "parameter_size": _human_parameters(_parameter_count(normalized)),
+        "quantization_level": "Q4_K_M",
+    }
+
+
+def _size(name: str) -> int:
+    return _parameter_count(_normalize(name)) * 6 // 10 + 50_000_000
+
+
+def _digest(name: str) -> str:
+    return hashlib.sha256(_normalize(name).encode()).hexdigest()
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _field(body: dict[str, Any], key: str, kind: type, struct: str) -> Any:
+    """``body[key]`` if absent, null or of ``kind``; otherwise Go's unmarshal error (HTTP 400)."""
+    value = body.get(key)
+    if value is None or isinstance(value, kind):
+        return value
+    go_types = {str: "string", bool: "bool", dict: "map[string]interface {}", list: "[]api.Message"}
+    raise _ApiError(
+        400,
+        f"json: cannot unmarshal {_json_type(value)} into Go struct field "
+        f"{struct}.{key} of type {go_types.get(kind, kind.__name__)}",
+    )
+
+
+def _parse_object(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise _ApiError(400, "missing request body")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _ApiError(400, f"invalid JSON in request body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise _ApiError(
+            400, f"json: cannot unmarshal {_json_type(body)} into Go value of type object"
+        )
+    return body
+
+
+def _check_knob(name: str, value: object) -> Any:
+    """The validated value for knob ``name``; ValueError when it does not fit."""
+    if name in ("delay_s", "load_ms", "chunk_delay_s"):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0")
+        return float(value)
+    if name == "fail_status":
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 100 <= value <= 599:
+            raise ValueError("fail_status must be null or an HTTP status (100-599)")
+        return value
+    if name in ("models", "thinking_models"):
+        if isinstance(value, str) or not isinstance(value, list | tuple):
+            raise ValueError(f"{name} must be a list of model names")
+        if not all(isinstance(item, str) and item for item in value):
+            raise ValueError(f"{name} must be a list of non-empty strings")
+        return list(value)
+    if name in ("error_after_chunks", "drop_after_chunks"):
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be null or an integer >= 0")
+        return value
+    raise ValueError(f"unknown knob {name!r}; known: {', '.join(_KNOBS)}")
+
+
+@dataclass(frozen=True)
+class _Knobs:
+    """A snapshot of the behaviour knobs, taken once per request."""
+
+    delay_s: float
+    fail_status: int | None
+    chunk_delay_s: float
+    error_after_chunks: int | None
+    drop_after_chunks: int | None
+
+
+# --------------------------------------------------------------------------- the fake
+
+
+class FakeOllama:
+    """An Ollama look-alike serving real HTTP on ``host:port`` (port 0: pick a free one).
+
+    Knobs (plain attributes, also settable with ``configure()`` or ``POST /_fake/config``):
+
+    - ``delay_s``: seconds to wait before answering ``/api/generate`` and ``/api/chat``;
+    - ``fail_status``: answer those with this HTTP status and an ``{"error": ...}`` body;
+    - ``models``: the models served (``/api/tags``; others get 404);
+    - ``thinking_models``: served models that think (``thinking`` apart from the answer);
+    - ``load_ms``: ``load_duration`` reported on the first call of each model (cold start);
+    - ``chunk_delay_s``: seconds between streamed chunks;
+    - ``error_after_chunks``: after N streamed pieces, send Ollama's mid-stream
+      ``{"error": ...}`` line and end the stream (no ``done`` line);
+    - ``drop_after_chunks``: after N streamed pieces, cut the connection (a crash).
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        models: Iterable[str] = DEFAULT_MODELS,
+        *,
+        thinking_models: Iterable[str] = DEFAULT_THINKING_MODELS,
+        delay_s: float = 0.0,
+        fail_status: int | None = None,
+        load_ms: float = 0.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self._defaults: dict[str, Any] = {
+            "delay_s": _check_knob("delay_s", delay_s),
+            "fail_status": _check_knob("fail_status", fail_status),
+            "models": _check_knob("models", list(models)),
+            "thinking_models": _check_knob("thinking_models", list(thinking_models)),
+            "load_ms": _check_knob("load_ms", load_ms),
+            "chunk_delay_s": 0.0,
+            "error_after_chunks": None,
+            "drop_after_chunks": None,
+        }
+        self.delay_s: float = 0.0
+        self.fail_status: int | None = None
+        self.models: list[str] = []
+        self.thinking_models: list[str] = []
+        self.load_ms: float = 0.0
+        self.chunk_delay_s: float = 0.0
+        self.error_after_chunks: int | None = None
+        self.drop_after_chunks: int | None = None
+        self._lock = threading.Lock()
+        self._generate_calls = 0
+        self._chat_calls = 0
+        self._in_flight = 0
+        self._concurrent_max = 0
+        self._connections_opened = 0
+        self._cancelled_calls = 0
+        self._loaded: dict[str, int] = {}  # normalized name -> expiry (time.time_ns())
+        self._connections: set[socket.socket] = set()
+        self._handler_threads: set[threading.Thread] = set()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._apply_defaults()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> Self:
+        """Serve in a daemon thread; returns self. Restarting reuses the port first bound."""
+        if self._server is not None:
+            return self
+        self._stopping = threading.Event()
+        server = _Server((self.host, self.port), self)
+        self.port = int(server.server_address[1])
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"fake-ollama:{self.port}",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, cut open (keep-alive or streaming) connections, free the port."""
+        server, thread = self._server, self._thread
+        if server is None:
+            return
+        self._server = None
+        self._thread = None
+        self._stopping.set()
+        server.shutdown()
+        with self._lock:
+            connections = list(self._connections)
+            handlers = list(self._handler_threads)
+        for connection in connections:
+            with suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+        for handler in handlers:
+            handler.join(timeout=2)
+
+    @property
+    def url(self) -> str:
+        if self.port == 0:
+            raise RuntimeError("FakeOllama has not been started")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- knobs and counters
+
+    def configure(self, **knobs: Any) -> dict[str, Any]:
+        """Set several knobs at once (validated, all or none); returns the resulting config."""
+        checked = {name: _check_knob(name, value) for name, value in knobs.items()}
+        for name, value in checked.items():
+            setattr(self, name, value)
+        return self.config()
+
+    def config(self) -> dict[str, Any]:
+        return {
+            name: list(value) if isinstance(value, list) else value
+            for name in _KNOBS
+            for value in [getattr(self, name)]
+        }
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "generate_calls": self._generate_calls,
+                "chat_calls": self._chat_calls,
+                "concurrent_max": self._concurrent_max,
+                "in_flight": self._in_flight,
+                "connections": self._connections_opened,
+                "cancelled": self._cancelled_calls,
+            }
+
+    def reset(self) -> None:
+        """Zero the counters, forget loaded models, restore the knobs given at construction."""
+        with self._lock:
+            self._generate_calls = 0
+            self._chat_calls = 0
+            self._concurrent_max = self._in_flight
+            self._connections_opened = 0
+            self._cancelled_calls = 0
+            self._loaded.clear()
+        self._apply_defaults()
+
+    def _apply_defaults(self) -> None:
+        for name, value in self._defaults.items():
+            setattr(self, name, list(value) if isinstance(value, list) else value)
+
+    def _knobs(self) -> _Knobs:
+        return _Knobs(
+            delay_s=self.delay_s,
+            fail_status=self.fail_status,
+            chunk_delay_s=self.chunk_delay_s,
+            error_after_chunks=self.error_after_chunks,
+            drop_after_chunks=self.drop_after_chunks,
+        )
+
+    # ---------------------------------------------------------------- used by the handler
+
+    def _find(self, name: str) -> str | None:
+        """The served model ``name`` refers to (its normalized name), or None."""
+        wanted = _normalize(name)
+        served = {_normalize(model) for model in list(self.models)}
+        return wanted if wanted in served else None
+
+    def _thinks(self, normalized: str) -> bool:
+        return normalized in {_normalize(model) for model in list(self.thinking_models)}
+
+    def _load(self, normalized: str) -> int:
+        """Mark the model loaded; the ``load_duration`` (ns) to report for this call."""
+        now = time.time_ns()
+        with self._lock:
+            cold = normalized not in self._loaded
+            self._loaded[normalized] = now + _KEEP_ALIVE_NS
+        return int(self.load_ms * _NS_PER_MS) if cold else 0
+
+    def _loaded_models(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._loaded)
+
+    def _cancelled(self) -> None:
+        with self._lock:
+            self._cancelled_calls += 1
+
+    @contextmanager
+    def _track(self, chat: bool) -> Iterator[None]:
+        with self._lock:
+            if chat:
+                self._chat_calls += 1
+            else:
+                self._generate_calls += 1
+            self._in_flight += 1
+            self._concurrent_max = max(self._concurrent_max, self._in_flight)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _opened(self, connection: socket.socket) -> None:
+        with self._lock:
+            self._connections_opened += 1
+            self._connections.add(connection)
+            self._handler_threads.add(threading.current_thread())
+
+    def _closed(self, connection: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(connection)
+            self._handler_threads.discard(threading.current_thread())
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], fake: FakeOllama) -> None:
+        self.fake = fake
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that goes away (or stop() cutting connections) is not worth a traceback.
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handle_error(request, client_address)
+
+
+# --------------------------------------------------------------------------- HTTP handler
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = f"FakeOllama/{OLLAMA_VERSION}"
+    _go_structs: ClassVar[dict[bool, str]] = {False: "GenerateRequest", True: "ChatRequest"}
+
+    _started = False  # response headers sent for the current request
+    _head = False  # current request is HEAD: headers only
+
+    @property
+    def _fake(self) -> FakeOllama:
+        return cast(_Server, self.server).fake
+
+    # ---------------------------------------------------------------- plumbing
+
+    def setup(self) -> None:
+        super().setup()
+        # As Go's net/http does: no Nagle, or header and body writes stall on delayed ACKs.
+        with suppress(OSError):
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._fake._opened(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self._fake._closed(self.connection)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Silent: keep test output clean."""
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_HEAD(self) -> None:
+        self._dispatch("HEAD")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._dispatch("PATCH")
+
+    def do_OPTIONS(self) -> None:
+        self._dispatch("OPTIONS")
+
+    def _dispatch(self, method: str) -> None:
+        self._started = False
+        self._head = method == "HEAD"
+        try:
+            raw = self._read_body()
+        except ValueError as exc:
+            self.close_connection = True
+            self._send_json(400, {"error": f"malformed request body: {exc}"})
+            return
+        path = urlsplit(self.path).path
+        try:
+            self._route(method, path, raw)
+        except _ApiError as exc:
+            if self._started:
+                self.close_connection = True
+            else:
+                self._send_json(exc.status, {"error": exc.message})
+        except OSError:
+            self.close_connection = True  # the client went away
+        except Exception as exc:
+            traceback.print_exc()
+            if self._started:
+                self.close_connection = True
+            else:
+                self._send_json(500, {"error": f"fake ollama bug: {exc!r}"})
+
+    def _route(self, method: str, path: str, raw: bytes) -> None:
+        read = method in ("GET", "HEAD")
+        if read and path == "/":
+            self._send_bytes(200, b"Ollama is running", "text/plain; charset=utf-8")
+        elif read and path == "/api/version":
+            self._send_json(200, {"version": OLLAMA_VERSION})
+        elif read and path == "/api/tags":
+            self._send_json(200, self._tags())
+        elif method == "GET" and path == "/api/ps":
+            self._send_json(200, self._ps())
+        elif method == "POST" and path == "/api/generate":
+            self._generation(raw, chat=False)
+        elif method == "POST" and path == "/api/chat":
+            self._generation(raw, chat=True)
+        elif method == "POST" and path == "/api/show":
+            self._show(raw)
+        elif method == "GET" and path == "/_fake/stats":
+            self._send_json(200, self._fake.stats())
+        elif method == "GET" and path == "/_fake/config":
+            self._send_json(200, self._fake.config())
+        elif method == "POST" and path == "/_fake/config":
+            body = _parse_object(raw)
+            try:
+                config = self._fake.configure(**body)
+            except ValueError as exc:
+                raise _ApiError(400, str(exc)) from exc
+            self._send_json(200, config)
+        elif method == "POST" and path == "/_fake/reset":
+            self._fake.reset()
+            self._send_json(200, self._fake.config())
+        else:
+            self._send_json(404, {"error": "not found"})
+
+    def _read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return self._read_chunked_body()
+        length = self.headers.get("Content-Length")
+        if length is None:
+            return b""
+        size = int(length)
+        if size < 0:
+            raise ValueError("negative Content-Length")
+        data = self.rfile.read(size)
+        if len(data) != size:
+            raise ValueError("body shorter than Content-Length")
+        return data
+
+    def _read_chunked_body(self) -> bytes:
+        parts: list[bytes] = []
+        while True:
+            line = self.rfile.readline(65537)
+            if not line:
+                raise ValueError("truncated chunked body")
+            size = int(line.split(b";", 1)[0].strip(), 16)
+            if size == 0:
+                while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return b"".join(parts)
+            parts.append(self.rfile.read(size))
+            self.rfile.readline()
+
+    def _send_bytes(self, status: int, data: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self._started = True
+        if not self._head:
+            self.wfile.write(data)
+            self.wfile.flush()
+
+    def _send_json(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+        self._send_bytes(status, data, "application/json; charset=utf-8")
+
+    # ---------------------------------------------------------------- model listing
+
+    def _model_entry(self, name: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": _MODIFIED_AT,
+            "size": _size(name),
+            "digest": _digest(name),
+            "details": _details(name),
+        }
+
+    def _tags(self) -> dict[str, Any]:
+        return {"models": [self._model_entry(name) for name in list(self._fake.models)]}
+
+    def _ps(self) -> dict[str, Any]:
+        served = {_normalize(name): name for name in list(self._fake.models)}
+        running = []
+        for normalized, expires_ns in self._fake._loaded_models().items():
+            name = served.get(normalized)
+            if name is None:
+                continue
+            seconds, fraction = divmod(expires_ns, 1_000_000_000)
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+            entry = self._model_entry(name)
+            del entry["modified_at"]
+            entry["expires_at"] = f"{stamp}.{fraction:09d}Z"
+            entry["size_vram"] = entry["size"]
+            entry["context_length"] = 4096
+            running.append(entry)
+        return {"models": running}
+
+    def _show(self, raw: bytes) -> None:
+        body = _parse_object(raw)
+        name = _field(body, "model", str, "ShowRequest") or _field(body, "name", str, "ShowRequest")
+        if not name:
+            raise _ApiError(400, "model is required")
+        normalized = self._fake._find(name)
+        if normalized is None:
+            raise _ApiError(404, f"model '{name}' not found")
+        details = _details(name)
+        family = details["family"]
+        capabilities = ["completion"] + (["thinking"] if self._fake._thinks(normalized) else [])
+        self._send_json(
+            200,
+            {
+                "license": "",
+                "modelfile": f"# Modelfile generated by the fake Ollama\nFROM {name}\n",
+                "parameters": "",
+                "template": "{{ .Prompt }}",
+                "details": details,
+                "model_info": {
+                    "general.architecture": family,
+                    "general.parameter_count": _parameter_count(normalized),
+                    f"{family}.context_length": 32768,
+                },
+                "capabilities": capabilities,
+                "modified_at": _MODIFIED_AT,
+            },
+        )
+
+    # ---------------------------------------------------------------- generation
+
+    def _generation(self, raw: bytes, *, chat: bool) -> None:
+        fake = self._fake
+        started = time.monotonic_ns()
+        with fake._track(chat):
+            body = _parse_object(raw)
+            struct = self._go_structs[chat]
+            model: str = _field(body, "model", str, struct) or ""
+            stream_field: bool | None = _field(body, "stream", bool, struct)
+            stream = True if stream_field is None else stream_field
+            options: dict[str, Any] = _field(body, "options", dict, struct) or {}
+            think = body.get("think")
+            if think is not None and not isinstance(think, bool | str):
+                raise _ApiError(
+                    400, 'think must be a boolean or string ("high", "medium", "low", true, false)'
+                )
+            if chat:
+                messages = self._messages(body)
+                users = [m["content"] for m in messages if m["role"] == "user"]
+                prompt = users[-1] if users else (messages[-1]["content"] if messages else "")
+                prompt_tokens = sum(_count_tokens(m["content"]) + 4 for m in messages)
+                empty = not messages
+            else:
+                prompt = _field(body, "prompt", str, struct) or ""
+                system = _field(body, "system", str, struct) or ""
+                prompt_tokens = _count_tokens(system) + _count_tokens(prompt) + 4
+                empty = prompt == ""
+
+            if not model:
+                # Ollama's own (asymmetric) answers for a missing model name.
+                raise (
+                    _ApiError(400, "model is required")
+                    if chat
+                    else _ApiError(404, "model '' not found")
+                )
+            normalized = fake._find(model)
+            if normalized is None:
+                raise _ApiError(404, f"model '{model}' not found")
+            thinks = fake._thinks(normalized)
+            if thinks:
+                if isinstance(think, str) and not normalized.startswith("gpt-oss"):
+                    raise _ApiError(
+                        400, f"think value {json.dumps(think)} is not supported for this model"
+                    )
+                think_on = think is None or bool(think)
+            else:
+                if think:
+                    raise _ApiError(400, f"{json.dumps(model)} does not support thinking")
+                think_on = False
+
+            knobs = fake._knobs()
+            if not self._pause(knobs.delay_s):
+                self.close_connection = True
+                return
+            if knobs.fail_status is not None:
+                status = knobs.fail_status
+                message = _FAILURE_MESSAGES.get(status) or _phrase(status)
+                raise _ApiError(status, message)
+
+            load_ns = fake._load(normalized)
+            if empty:
+                # An empty prompt (or no messages) just loads the model.
+                self._send_json(200, self._load_reply(model, chat))
+                return
+
+            answer = _answer(model, prompt)
+            thinking_pieces = _pieces(_thinking(prompt, answer)) if think_on else []
+            response_pieces = _pieces(answer)
+            done_reason = "stop"
+            limit = options.get("num_predict")
+            wanted = len(thinking_pieces) + len(response_pieces)
+            if isinstance(limit, int) and not isinstance(limit, bool) and 0 <= limit < wanted:
+                done_reason = "length"
+                thinking_pieces = thinking_pieces[:limit]
+                response_pieces = response_pieces[: limit - len(thinking_pieces)]
+            plan = _Plan(
+                model=model,
+                chat=chat,
+                thinking_pieces=thinking_pieces,
+                response_pieces=response_pieces,
+                done_reason=done_reason,
+                prompt_eval_count=prompt_tokens,
+                load_ns=load_ns,
+                started_ns=started,
+            )
+            if stream:
+                self._stream(plan, knobs)
+            else:
+                self._send_json(200, plan.whole())
+
+    def _messages(self, body: dict[str, Any]) -> list[dict[str, str]]:
+        raw = _field(body, "messages", list, "ChatRequest") or []
+        messages: list[dict[str, str]] = []
+        for item in raw:
+            if not isinstance(item, dict):
+                raise _ApiError(
+                    400,
+                    f"json: cannot unmarshal {_json_type(item)} into Go struct field "
+                    "ChatRequest.messages of type api.Message",
+                )
+            role = _field(item, "role", str, "Message") or ""
+            content = _field(item, "content", str, "Message") or ""
+            messages.append({"role": role, "content": content})
+        return messages
+
+    def _load_reply(self, model: str, chat: bool) -> dict[str, Any]:
+        reply: dict[str, Any] = {"model": model, "created_at": _now()}
+        if chat:
+            reply["message"] = {"role": "assistant", "content": ""}
+        else:
+            reply["response"] = ""
+        reply["done"] = True
+        reply["done_reason"] = "load"
+        return reply
+
+    def _stream(self, plan: _Plan, knobs: _Knobs) -> None:
+        chunked = self.request_version != "HTTP/1.0"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.close_connection = True  # HTTP/1.0: the end of the body is the end of the socket
+        self.end_headers()
+        self._started = True
+
+        def write(payload: dict[str, Any]) -> None:
+            line = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+            if chunked:
+                line = f"{len(line):X}\r\n".encode() + line + b"\r\n"
+            self.wfile.write(line)
+            self.wfile.flush()
+
+        for sent, payload in enumerate(itertools.chain(plan.chunks(), [None])):
+            last = payload is None  # None stands for the final line
+            if knobs.drop_after_chunks is not None and (last or sent >= knobs.drop_after_chunks):
+                self._cut()
+                return
+            if knobs.error_after_chunks is not None and (last or sent >= knobs.error_after_chunks):
+                write({"error": _FAILURE_MESSAGES[500]})
+                break
+            if sent and not self._pause(knobs.chunk_delay_s):
+                self._cut()
+                return
+            write(plan.final() if payload is None else payload)
+        if chunked:
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds``, like a model computing; False if the client hung up meanwhile
+        (Ollama then abandons the generation) or ``stop()`` was called."""
+        fake = self._fake
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            if fake._stopping.is_set():
+                return False
+            readable, _, _ = select.select([self.connection], [], [], min(remaining, 0.02))
+            if not readable:
+                continue
+            try:
+                hung_up = self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                hung_up = True
+            if hung_up:
+                fake._cancelled()
+                return False
+            fake._stopping.wait(max(0.0, deadline - time.monotonic()))  # a pipelined request
+        return not fake._stopping.is_set()
+
+    def _cut(self) -> None:
+        """Drop the connection mid-response, as a crashing server would."""
+        self.close_connection = True
+        with suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+
+def _phrase(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase.lower()
+    except ValueError:
+        return f"fake failure (HTTP {status})"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one generation will say, streamed or whole."""
+
+    model: str
+    chat: bool
+    thinking_pieces: list[str]
+    response_pieces: list[str]
+    done_reason: str
+    prompt_eval_count: int
+    load_ns: int
+    started_ns: int
+
+    def _head(self) -> dict[str, Any]:
+        return {"model": self.model, "created_at": _now()}
+
+    def _text(self, content: str, thinking: str | None) -> dict[str, Any]:
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
+            return {"message": message}
+        text: dict[str, Any] = {"response": content}
+        if thinking:
+            text["thinking"] = thinking
+        return text
+
+    def chunks(self) -> Iterator[dict[str, Any]]:
+        """The streamed lines before the final one: thinking pieces first, then the answer."""
+        for piece in self.thinking_pieces:
+            yield {**self._head(), **self._text("", piece), "done": False}
+        for piece in self.response_pieces:
+            yield {**self._head(), **self._text(piece, None), "done": False}
+
+    def _metrics(self) -> dict[str, Any]:
+        eval_count = len(self.thinking_pieces) + len(self.response_pieces)
+        prompt_ns = self.prompt_eval_count * PROMPT_EVAL_NS_PER_TOKEN
+        eval_ns = eval_count * EVAL_NS_PER_TOKEN
+        wall_ns = time.monotonic_ns() - self.started_ns
+        metrics: dict[str, Any] = {"done": True, "done_reason": self.done_reason}
+        if not self.chat:
+            metrics["context"] = []
+        metrics.update(
+            total_duration=wall_ns + self.load_ns + prompt_ns + eval_ns,
+            load_duration=self.load_ns,
+            prompt_eval_count=self.prompt_eval_count,
+            prompt_eval_duration=prompt_ns,
+            eval_count=eval_count,
+            eval_duration=eval_ns,
+        )
+        return metrics
+
+    def final(self) -> dict[str, Any]:
+        """The last streamed line: empty text, ``done: true`` and the figures."""
+        return {**self._head(), **self._text("", None), **self._metrics()}
+
+    def whole(self) -> dict[str, Any]:
+        """The ``"stream": false`` answer."""
+        thinking = "".join(self.thinking_pieces) or None
+        text = self._text("".join(self.response_pieces), thinking)
+        return {**self._head(), **text, **self._metrics()}
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.fakes.ollama", description="Serve a fake Ollama HTTP API."
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=11434, help="0 picks a free port")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated")
+    parser.add_argument(
+        "--thinking-models", default=",".join(DEFAULT_THINKING_MODELS), help="comma-separated"
+    )
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
+    parser.add_argument("--load-ms", type=float, default=0.0, help="cold-start load_duration")
+    parser.add_argument("--fail-status", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    def names(text: str) -> list[str]:
+        return [name.strip() for name in text.split(",") if name.strip()]
+
+    try:
+        fake = FakeOllama(
+            args.host,
+            args.port,
+            names(args.models),
+            thinking_models=names(args.thinking_models),
+            delay_s=args.delay,
+            fail_status=args.fail_status,
+            load_ms=args.load_ms,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    fake.start()
+    try:
+        print(f"fake ollama listening on {fake.url}", flush=True)
+        while not stop.wait(0.2):
+            pass
+    finally:
+        fake.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
