@@ -129,7 +129,9 @@ async def test_two_processes_bound_to_one_worker_queue_never_run_two_tasks_at_on
     assert stats["concurrent_max"] == 1
 
 
-def run_cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [COORDINATOR, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
     )

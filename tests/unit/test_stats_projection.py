@@ -1,0 +1,320 @@
+"""The task projection's pure rules: evolve, figure deltas and the query view."""
+
+from __future__ import annotations
+
+from functools import reduce
+
+from schemas.events import (
+    Durations,
+    TaskCompleted,
+    TaskEvent,
+    TaskFailed,
+    TaskRouted,
+    TaskStarted,
+    TaskSubmitted,
+    Tokens,
+)
+from services.stats.projection import TaskState, evolve, figures_delta, to_view
+
+TASK = "t1"
+
+
+def submitted(at: float = 100.0, domain: str | None = "code") -> TaskSubmitted:
+    return TaskSubmitted(
+        at=at,
+        task_id=TASK,
+        model="qwen2.5:7b",
+        prompt="hello",
+        domain=domain,
+        timeout_s=60.0,
+    )
+
+
+def routed(attempt: int = 1, worker: str = "mac", at: float = 101.0) -> TaskRouted:
+    return TaskRouted(
+        at=at, task_id=TASK, attempt=attempt, worker=worker, queue=f"tasks.gpu.{worker}"
+    )
+
+
+def started(attempt: int = 1, worker: str = "mac", at: float = 102.0) -> TaskStarted:
+    return TaskStarted(at=at, task_id=TASK, attempt=attempt, worker=worker, host=f"{worker}.lan")
+
+
+def completed(attempt: int = 1, worker: str = "mac", at: float = 110.0) -> TaskCompleted:
+    return TaskCompleted(
+        at=at,
+        task_id=TASK,
+        attempt=attempt,
+        worker=worker,
+        model="qwen2.5:7b",
+        response="hi",
+        thinking="let me think",
+        durations=Durations(total_ms=8000.0, load_ms=1500.0, prompt_eval_ms=200.0, eval_ms=6000.0),
+        tokens=Tokens(prompt=12, eval=40),
+    )
+
+
+def failed(attempt: int = 1, worker: str | None = "mac", at: float = 110.0) -> TaskFailed:
+    return TaskFailed(
+        at=at, task_id=TASK, attempt=attempt, worker=worker, code="backend_error", reason="boom"
+    )
+
+
+def replay(*events: TaskEvent, state: TaskState | None = None) -> TaskState:
+    """The state after applying ``events`` in order."""
+    result = reduce(evolve, events, state)
+    assert result is not None
+    return result
+
+
+# -- evolve: the ordinary life of a task -----------------------------------------------------
+
+
+def test_submitted_creates_a_queued_task_with_what_was_asked() -> None:
+    state = evolve(None, submitted())
+
+    assert state == TaskState(
+        task_id=TASK,
+        status="queued",
+        model="qwen2.5:7b",
+        domain="code",
+        task_type="inference",
+        prompt="hello",
+        created_at=100.0,
+    )
+
+
+def test_routed_names_worker_queue_and_attempt() -> None:
+    state = replay(submitted(), routed())
+
+    assert (state.status, state.worker, state.queue) == ("queued", "mac", "tasks.gpu.mac")
+    assert (state.attempt, state.attempts) == (1, 1)
+
+
+def test_started_marks_the_task_running_on_its_host() -> None:
+    state = replay(submitted(), routed(), started())
+
+    assert (state.status, state.host, state.started_at) == ("running", "mac.lan", 102.0)
+
+
+def test_completed_keeps_response_thinking_durations_and_tokens() -> None:
+    state = replay(submitted(), routed(), started(), completed())
+
+    assert state.status == "done"
+    assert (state.response, state.thinking) == ("hi", "let me think")
+    assert (state.total_ms, state.load_ms, state.prompt_eval_ms, state.eval_ms) == (
+        8000.0,
+        1500.0,
+        200.0,
+        6000.0,
+    )
+    assert (state.prompt_tokens, state.eval_tokens) == (12, 40)
+    assert state.ended_at == 110.0
+    assert state.created_at == 100.0
+
+
+def test_failed_keeps_the_error_code_and_reason() -> None:
+    state = replay(submitted(), routed(), started(), failed())
+
+    assert (state.status, state.error_code, state.error, state.ended_at) == (
+        "failed",
+        "backend_error",
+        "boom",
+        110.0,
+    )
+
+
+def test_failure_without_a_worker_keeps_the_routed_one() -> None:
+    state = replay(submitted(), routed(worker="pc"), failed(worker=None))
+
+    assert state.worker == "pc"
+
+
+# -- evolve: fencing by attempt --------------------------------------------------------------
+
+
+def test_outcome_of_an_older_attempt_is_stale_and_changes_nothing() -> None:
+    before = replay(submitted(), routed(1, "mac"), started(1, "mac"), routed(2, "pc"))
+
+    assert evolve(before, completed(1, "mac")) is before
+    assert evolve(before, failed(1, "mac")) is before
+    assert evolve(before, started(1, "mac")) is before
+    assert evolve(before, routed(1, "mac")) is before
+
+
+def test_a_new_attempt_reopens_a_failed_task_and_clears_the_old_outcome() -> None:
+    state = replay(submitted(), routed(1, "mac"), failed(1, "mac"), routed(2, "pc"))
+
+    assert (state.status, state.worker, state.queue) == ("queued", "pc", "tasks.gpu.pc")
+    assert (state.attempt, state.attempts) == (2, 2)
+    assert (state.error_code, state.error, state.ended_at) == (None, None, None)
+
+
+def test_an_outcome_of_a_newer_attempt_is_taken_even_without_its_routed() -> None:
+    state = replay(submitted(), routed(1, "mac"), completed(2, "pc"))
+
+    assert (state.status, state.worker, state.attempt, state.attempts) == ("done", "pc", 2, 2)
+
+
+def test_a_late_started_does_not_downgrade_a_finished_attempt() -> None:
+    done = replay(submitted(), routed(), completed())
+
+    assert evolve(done, started()) is done
+
+
+def test_the_first_outcome_of_an_attempt_stands() -> None:
+    done = replay(submitted(), routed(), started(), completed())
+
+    assert evolve(done, completed(at=200.0)) is done
+    assert evolve(done, failed()) is done
+
+
+def test_a_repeated_started_keeps_the_first_start_time() -> None:
+    running = replay(submitted(), routed(), started(at=102.0))
+
+    assert evolve(running, started(at=150.0)) is running
+
+
+def test_a_repeated_routed_of_a_started_attempt_changes_nothing() -> None:
+    running = replay(submitted(), routed(), started())
+
+    assert evolve(running, routed()) is running
+
+
+def test_a_repeated_submitted_changes_nothing() -> None:
+    state = replay(submitted(), routed())
+
+    assert evolve(state, submitted()) is state
+
+
+# -- evolve: events before submitted ---------------------------------------------------------
+
+
+def test_routed_before_submitted_gives_a_placeholder_that_submitted_fills_in() -> None:
+    placeholder = evolve(None, routed(at=101.0))
+    assert (placeholder.status, placeholder.model, placeholder.worker) == ("queued", "", "mac")
+    assert placeholder.created_at == 101.0
+
+    state = evolve(placeholder, submitted(at=100.0))
+
+    assert (state.model, state.domain, state.prompt, state.created_at) == (
+        "qwen2.5:7b",
+        "code",
+        "hello",
+        100.0,
+    )
+    assert (state.worker, state.attempt) == ("mac", 1)
+
+
+def test_completed_before_submitted_is_done_with_the_model_it_names() -> None:
+    state = evolve(None, completed())
+
+    assert (state.status, state.model, state.response) == ("done", "qwen2.5:7b", "hi")
+
+
+def test_submitted_after_the_outcome_does_not_reopen_the_task() -> None:
+    state = replay(completed(), submitted())
+
+    assert (state.status, state.domain, state.prompt) == ("done", "code", "hello")
+
+
+# -- figures_delta ---------------------------------------------------------------------------
+
+
+def test_a_task_becoming_done_adds_one_with_its_durations_and_tokens() -> None:
+    before = replay(submitted(), routed(), started())
+    after = evolve(before, completed())
+
+    delta = figures_delta(before, after)
+
+    assert delta is not None
+    assert (delta.model, delta.domain, delta.worker) == ("qwen2.5:7b", "code", "mac")
+    assert (delta.count, delta.failures) == (1, 0)
+    assert (delta.total_ms, delta.load_ms, delta.eval_ms, delta.eval_tokens) == (
+        8000.0,
+        1500.0,
+        6000.0,
+        40,
+    )
+    assert delta.at == 110.0
+
+
+def test_a_task_becoming_failed_adds_one_failure_and_no_durations() -> None:
+    before = replay(submitted(), routed())
+    delta = figures_delta(before, evolve(before, failed()))
+
+    assert delta is not None
+    assert (delta.count, delta.failures, delta.total_ms, delta.eval_tokens) == (1, 1, 0.0, 0)
+
+
+def test_no_delta_until_the_task_ends() -> None:
+    before = replay(submitted(), routed())
+
+    assert figures_delta(None, evolve(None, submitted())) is None
+    assert figures_delta(before, evolve(before, started())) is None
+
+
+def test_an_attempt_is_counted_once() -> None:
+    done = replay(submitted(), routed(), completed())
+
+    assert figures_delta(done, evolve(done, completed())) is None
+    assert figures_delta(done, evolve(done, submitted())) is None
+
+
+def test_each_attempt_counts_for_its_own_worker() -> None:
+    failed_on_mac = replay(submitted(), routed(1, "mac"), failed(1, "mac"))
+    requeued = evolve(failed_on_mac, routed(2, "pc"))
+
+    delta = figures_delta(requeued, evolve(requeued, completed(2, "pc")))
+
+    assert delta is not None
+    assert (delta.worker, delta.count, delta.failures) == ("pc", 1, 0)
+
+
+def test_no_domain_and_no_worker_become_empty_keys() -> None:
+    before = replay(submitted(domain=None))
+    delta = figures_delta(before, evolve(before, failed(worker=None)))
+
+    assert delta is not None
+    assert (delta.domain, delta.worker) == ("", "")
+
+
+def test_an_outcome_before_submitted_counts_when_the_model_is_known() -> None:
+    assert figures_delta(None, evolve(None, completed())) is not None
+    assert figures_delta(None, evolve(None, failed())) is None  # model unknown: no key
+
+
+# -- to_view ---------------------------------------------------------------------------------
+
+
+def test_view_of_a_done_task_has_durations_and_tokens() -> None:
+    view = to_view(replay(submitted(), routed(), started(), completed()))
+
+    assert (view.status, view.worker, view.queue, view.attempts) == (
+        "done",
+        "mac",
+        "tasks.gpu.mac",
+        1,
+    )
+    assert view.durations == Durations(
+        total_ms=8000.0, load_ms=1500.0, prompt_eval_ms=200.0, eval_ms=6000.0
+    )
+    assert view.tokens == Tokens(prompt=12, eval=40)
+    assert (view.created_at, view.ended_at, view.error) == (100.0, 110.0, None)
+
+
+def test_view_of_a_queued_task_has_no_durations_or_tokens() -> None:
+    view = to_view(replay(submitted()))
+
+    assert (view.status, view.durations, view.tokens, view.ended_at) == (
+        "queued",
+        None,
+        None,
+        None,
+    )
+
+
+def test_view_of_a_failed_task_says_code_and_reason() -> None:
+    view = to_view(replay(submitted(), routed(), failed()))
+
+    assert view.error == "backend_error: boom"
