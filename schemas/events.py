@@ -6,7 +6,7 @@ carries `WorkerEvent`. The tag (``type``) equals the subject's last token.
 
 from __future__ import annotations
 
-from typing import Any, assert_never
+from typing import Any, Final, assert_never
 
 import msgspec
 
@@ -96,7 +96,24 @@ class WorkerStopped(Event, frozen=True, kw_only=True, tag="stopped"):
 
 WorkerEvent = WorkerRegistered | WorkerStopped
 
-AnyEvent = TaskEvent | WorkerEvent
+
+class AliasSet(Event, frozen=True, kw_only=True, tag="alias_set"):
+    """From now on ``alias`` names the model whose statistics key is ``canonical`` (lesson 6)."""
+
+    alias: str
+    canonical: str
+
+
+class AliasRemoved(Event, frozen=True, kw_only=True, tag="alias_removed"):
+    alias: str
+
+
+# Operator decisions about the statistics, on ``events.stats.<family>.<kind>``.
+StatsEvent = AliasSet | AliasRemoved
+
+ALIAS_EVENTS: Final = "events.stats.alias.>"
+
+AnyEvent = TaskEvent | WorkerEvent | StatsEvent
 
 TERMINAL_KINDS = frozenset({"completed", "failed"})
 
@@ -117,5 +134,9 @@ def subject_for(event: AnyEvent) -> str:
             return task_event(event.task_id, kind_of(event))
         case WorkerRegistered() | WorkerStopped():
             return worker_event(event.worker_id, kind_of(event))
+        case AliasSet():
+            return "events.stats.alias.set"
+        case AliasRemoved():
+            return "events.stats.alias.removed"
         case _:
             assert_never(event)

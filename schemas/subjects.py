@@ -12,6 +12,9 @@ from typing import Final, Literal
 
 Tier = Literal["gpu", "cpu"]
 
+# The worker name a web-search task is routed to: the pool that shares ``tasks.web``.
+WEB_POOL = "web"
+
 TASKS_STREAM: Final = "TASKS"
 EVENTS_STREAM: Final = "EVENTS"
 WORKERS_BUCKET: Final = "workers"

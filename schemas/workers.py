@@ -8,7 +8,8 @@ import msgspec
 
 from schemas.base import Wire
 
-Capability = Literal["cpu_inference", "gpu_inference"]
+Capability = Literal["cpu_inference", "gpu_inference", "web_search"]
+INFERENCE_CAPABILITIES = frozenset({"cpu_inference", "gpu_inference"})
 
 
 class WorkerRecord(Wire, frozen=True, kw_only=True):

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from schemas.subjects import Tier, worker_queue
-from schemas.workers import WorkerRecord
+from schemas.subjects import WEB_POOL, WEB_QUEUE, Tier, worker_queue
+from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
 from services.runtime.errors import NoWorker
 
 
@@ -30,7 +30,7 @@ PRIOR_TYPICAL_MS = 1_000.0
 @dataclass(frozen=True, slots=True)
 class Decision:
     worker_id: str
-    tier: Tier
+    tier: Tier | None
     queue: str
     reason: str
 
@@ -38,6 +38,11 @@ class Decision:
 def tier_of(record: WorkerRecord) -> Tier:
     """A worker that can run on a GPU is a GPU worker; its CPU is the fallback elsewhere."""
     return "gpu" if "gpu_inference" in record.supports else "cpu"
+
+
+def tier_label(record: WorkerRecord) -> str:
+    """What ``coordinator workers`` shows: gpu, cpu, or web for a web-search-only worker."""
+    return tier_of(record) if INFERENCE_CAPABILITIES.intersection(record.supports) else "web"
 
 
 def live(records: Iterable[WorkerRecord], now: float, ttl_s: float) -> list[WorkerRecord]:
@@ -71,7 +76,7 @@ def choose(
     if designated is not None:
         return _designated(model, workers, designated)
 
-    serving = [w for w in workers if model in w.models]
+    serving = [w for w in _inference(workers) if model in w.models]
     if not serving:
         raise NoWorker(_why_nobody(model, workers))
 
@@ -91,8 +96,19 @@ def choose(
     return Decision(best.worker_id, tier, worker_queue(tier, best.worker_id), why)
 
 
+def choose_web(workers: Collection[WorkerRecord]) -> Decision:
+    """Web-search tasks go to the shared ``tasks.web`` queue while a web-search worker is live."""
+    if not any("web_search" in w.supports for w in workers):
+        raise NoWorker("no live web-search worker: start one with `coordinator web-search`")
+    return Decision(WEB_POOL, None, WEB_QUEUE, "shared web-search queue")
+
+
+def _inference(workers: Collection[WorkerRecord]) -> list[WorkerRecord]:
+    return [w for w in workers if INFERENCE_CAPABILITIES.intersection(w.supports)]
+
+
 def _designated(model: str, workers: Collection[WorkerRecord], worker_id: str) -> Decision:
-    record = next((w for w in workers if w.worker_id == worker_id), None)
+    record = next((w for w in _inference(workers) if w.worker_id == worker_id), None)
     if record is None:
         raise WorkerUnavailable(f"worker '{worker_id}' is not live (no fresh registration)")
     if model not in record.models:
@@ -105,6 +121,7 @@ def _designated(model: str, workers: Collection[WorkerRecord], worker_id: str) -
 
 
 def _why_nobody(model: str, workers: Collection[WorkerRecord]) -> str:
+    workers = _inference(workers)
     if not workers:
         return f"no live worker serves model '{model}': no worker is registered and alive"
     served = sorted({m for w in workers for m in w.models})

@@ -100,8 +100,6 @@ def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
             check_token("domain", request.domain)
     except InvalidId as exc:
         raise BadRequest(str(exc)) from None
-    if request.task_type != "inference":
-        raise Unsupported(f"task_type '{request.task_type}' has no service in this deployment yet")
     if request.stream:
         raise Unsupported("streaming replies are not available yet; send stream=false")
     return request
@@ -193,7 +191,7 @@ class Router:
             WorkerView(
                 worker_id=r.worker_id,
                 host=r.host,
-                tier=policy.tier_of(r),
+                tier=policy.tier_label(r),
                 models=r.models,
                 state=r.state,
                 current_task=r.current_task,
@@ -211,13 +209,17 @@ class Router:
         request = parse_route_request(body, self.settings.max_prompt_chars)
         now = time.time()
         self.view.expire(now, max_age_s=self.settings.default_timeout_s + WAIT_MARGIN_S)
-        decision = policy.choose(
-            request.model,
-            policy.live(self.view.workers.values(), now, self.settings.worker_ttl_s),
-            designated=request.worker,
-            gpu_models=self.settings.gpu_models,
-            depth=self.view.depth(),
-        )
+        live = policy.live(self.view.workers.values(), now, self.settings.worker_ttl_s)
+        if request.task_type == "web_search":
+            decision = policy.choose_web(live)
+        else:
+            decision = policy.choose(
+                request.model,
+                live,
+                designated=request.worker,
+                gpu_models=self.settings.gpu_models,
+                depth=self.view.depth(),
+            )
         task_id = new_task_id()
         timeout_s = request.timeout_s or self.settings.default_timeout_s
         waiter: asyncio.Future[TaskCompleted | TaskFailed] | None = None

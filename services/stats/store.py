@@ -26,7 +26,14 @@ import msgspec
 from asyncpg import Record
 from asyncpg.pool import PoolConnectionProxy
 
-from schemas.events import AnyEvent, TaskEvent, WorkerRegistered, WorkerStopped
+from schemas.events import (
+    AliasRemoved,
+    AliasSet,
+    AnyEvent,
+    TaskEvent,
+    WorkerRegistered,
+    WorkerStopped,
+)
 from schemas.queries import TaskView
 from services.runtime.errors import CoordinatorError, Unavailable
 from services.stats.projection import FigureDelta, TaskState, evolve, figures_delta, to_view
@@ -178,6 +185,8 @@ class Store:
                             _clean(event.reason),
                             stream_seq,
                         )
+                    case AliasSet() | AliasRemoved():
+                        pass  # applied to statistics keys on rebuild; tracked like any event
                     case _:
                         await self._apply_task_event(conn, stream_seq, event)
                 return True

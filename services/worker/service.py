@@ -21,8 +21,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
-from nats.js.kv import KeyValue
+from nats.js.errors import BadRequestError, NotFoundError
 
 from schemas.events import (
     TERMINAL_KINDS,
@@ -36,10 +35,11 @@ from schemas.events import (
 )
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM, task_event, worker_queue_filter
 from schemas.tasks import TaskMessage
-from schemas.workers import WorkerRecord, worker_record_decoder
+from schemas.workers import WorkerRecord
 from services import __version__
 from services.runtime.bus import connect, ensure_streams, publish_event
-from services.runtime.errors import BackendError, BackendUnavailable, ConfigError, CoordinatorError
+from services.runtime.errors import BackendError, BackendUnavailable, ConfigError
+from services.runtime.lease import Lease, LeaseLost
 from services.runtime.settings import WorkerSettings
 from services.worker.backends import Backend
 from services.worker.backends.ollama import OllamaBackend
@@ -51,16 +51,6 @@ _encoder = msgspec.json.Encoder()
 
 # How many times an outcome event is retried before the message is returned for redelivery.
 OUTCOME_PUBLISH_TRIES = 5
-
-
-class DuplicateWorker(CoordinatorError):
-    """Another live process holds this worker id (lesson 2: duplicates are silent killers)."""
-
-    code = "duplicate_worker"
-
-
-class LeaseLost(CoordinatorError):
-    code = "lease_lost"
 
 
 def consumer_name(worker_id: str) -> str:
@@ -81,9 +71,7 @@ class Worker:
         self.current_task: str | None = None
         self.completed = 0
         self.failed = 0
-        self._kv: KeyValue | None = None
-        self._revision: int | None = None
-        self._lost = asyncio.Event()
+        self.lease: Lease | None = None
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -116,7 +104,7 @@ class Worker:
             )
         return models
 
-    def record(self, state: str = "idle") -> WorkerRecord:
+    def record(self) -> WorkerRecord:
         return WorkerRecord(
             worker_id=self.settings.worker_id,
             host=self.settings.worker_host,
@@ -127,54 +115,9 @@ class Worker:
             models=self.models,
             started_at=self.started_at,
             heartbeat_at=time.time(),
-            state="busy" if self.current_task else state,  # type: ignore[arg-type]
+            state="busy" if self.current_task else "idle",
             current_task=self.current_task,
         )
-
-    async def acquire_lease(self) -> None:
-        """Create this worker's registry entry; refuse to start if a live instance holds it."""
-        assert self._kv is not None
-        key = self.settings.worker_id
-        value = _encoder.encode(self.record())
-        try:
-            self._revision = await self._kv.create(key, value)
-            return
-        except KeyWrongLastSequenceError:
-            pass
-        entry = await self._kv.get(key)
-        holder = worker_record_decoder.decode(entry.value or b"")
-        age = time.time() - holder.heartbeat_at
-        if age < self.settings.worker_ttl_s and holder.state != "stopping":
-            started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(holder.started_at))
-            raise DuplicateWorker(
-                f"worker id '{key}' is already running: host {holder.host}, pid {holder.pid}, "
-                f"started {started}, last heartbeat {age:.1f} s ago. Stop that instance first "
-                "(two units starting the same worker make every task twice as slow)."
-            )
-        # The holder is gone but its entry has not expired yet: take it over.
-        self._revision = await self._kv.update(key, value, last=entry.revision)
-
-    async def heartbeat(self, state: str = "idle") -> None:
-        """Refresh the lease; a failed update means another instance took the id over."""
-        assert self._kv is not None and self._revision is not None
-        try:
-            self._revision = await self._kv.update(
-                self.settings.worker_id, _encoder.encode(self.record(state)), last=self._revision
-            )
-        except (KeyWrongLastSequenceError, NotFoundError) as exc:
-            self._lost.set()
-            raise LeaseLost(f"lease of worker '{self.settings.worker_id}' lost: {exc}") from exc
-
-    async def _heartbeats(self) -> None:
-        while not self._lost.is_set():
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
-            try:
-                await self.heartbeat()
-            except LeaseLost as exc:
-                log.error("lease lost; stopping", error=exc.message)
-                return
-            except Exception as exc:  # the bus is reconnecting: try again next beat
-                log.warning("heartbeat failed", error=repr(exc))
 
     async def ensure_consumer(self) -> JetStreamContext.PullSubscription:
         name = consumer_name(self.settings.worker_id)
@@ -201,8 +144,9 @@ class Worker:
     async def start(self, stop: asyncio.Event) -> JetStreamContext.PullSubscription:
         """Learn the models, take the lease, bind the consumer and announce the worker."""
         self.models = await self.discover_models(stop)
-        self._kv = await ensure_streams(self.js, worker_ttl_s=self.settings.worker_ttl_s)
-        await self.acquire_lease()
+        kv = await ensure_streams(self.js, worker_ttl_s=self.settings.worker_ttl_s)
+        self.lease = Lease(kv, self.settings.worker_id, self.settings.worker_ttl_s, self.record)
+        await self.lease.acquire()
         sub = await self.ensure_consumer()
         await publish_event(
             self.js,
@@ -228,7 +172,8 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         """Start, pull tasks until ``stop`` (or the lease is lost), then stop cleanly."""
         sub = await self.start(stop)
-        beats = asyncio.create_task(self._heartbeats(), name="heartbeats")
+        assert self.lease is not None
+        beats = asyncio.create_task(self.lease.keep(self.settings.heartbeat_interval_s))
         try:
             await self.serve(sub, stop)
         finally:
@@ -237,14 +182,15 @@ class Worker:
                 await beats
             with suppress(Exception):
                 await sub.unsubscribe()
-            await self._deregister("lease lost" if self._lost.is_set() else "stopped")
+            await self._deregister("lease lost" if self.lease.lost.is_set() else "stopped")
         log.info("worker stopped", completed=self.completed, failed=self.failed)
-        if self._lost.is_set():
+        if self.lease.lost.is_set():
             raise LeaseLost(f"worker '{self.settings.worker_id}' stopped: its lease was taken over")
 
     async def serve(self, sub: JetStreamContext.PullSubscription, stop: asyncio.Event) -> None:
         """Pull and run tasks one at a time until ``stop`` is set or the lease is lost."""
-        while not stop.is_set() and not self._lost.is_set():
+        lost = self.lease.lost if self.lease is not None else asyncio.Event()
+        while not stop.is_set() and not lost.is_set():
             try:
                 msgs = await sub.fetch(1, timeout=1.0)
             except (nats.errors.TimeoutError, TimeoutError):
@@ -407,11 +353,9 @@ class Worker:
         return False
 
     async def _deregister(self, reason: str) -> None:
-        if self._kv is None:
+        if self.lease is None:
             return
-        with suppress(Exception):
-            if not self._lost.is_set():
-                await self._kv.delete(self.settings.worker_id, last=self._revision)
+        await self.lease.release()
         with suppress(Exception):
             await publish_event(
                 self.js,

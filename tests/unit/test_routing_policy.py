@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.workers import Capability, WorkerRecord
-from services.router.policy import WorkerUnavailable, choose, live
+from services.router.policy import WorkerUnavailable, choose, choose_web, live
 from services.runtime.errors import NoWorker
 
 
@@ -80,3 +80,22 @@ def test_a_designated_worker_without_the_model_is_an_error_listing_what_it_serve
 def test_workers_with_a_stale_heartbeat_are_not_live() -> None:
     fresh, stale = worker("a", heartbeat_at=95.0), worker("b", heartbeat_at=80.0)
     assert live([fresh, stale], now=100.0, ttl_s=15.0) == [fresh]
+
+
+def test_web_search_goes_to_the_shared_web_queue_while_a_web_worker_is_live() -> None:
+    web = worker("searcher", "gemma3:1b").__replace__(supports=["web_search"])
+    decision = choose_web([worker("cpu-a", "gemma3:1b"), web])
+    assert (decision.worker_id, decision.queue) == ("web", "tasks.web")
+
+
+def test_web_search_without_a_live_web_worker_is_an_error() -> None:
+    with pytest.raises(NoWorker, match="no live web-search worker"):
+        choose_web([worker("cpu-a", "gemma3:1b")])
+
+
+def test_a_web_only_worker_never_gets_inference_tasks() -> None:
+    web = worker("searcher", "gemma3:1b").__replace__(supports=["web_search"])
+    with pytest.raises(NoWorker):
+        choose("gemma3:1b", [web])
+    with pytest.raises(WorkerUnavailable):
+        choose("gemma3:1b", [web], designated="searcher")

@@ -1,0 +1,100 @@
+"""The registry entry as a lease: one live process per worker id (lesson 2).
+
+A process ``create``s its key at start; if the key exists and its holder's heartbeat is fresh,
+the start is refused naming the holder. Each heartbeat ``update``s the key with the expected
+revision, so when another process has taken the key over the update fails and this one knows
+it must stop. The bucket's TTL frees the key of a process that died without a word.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import suppress
+
+import msgspec
+import structlog
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from schemas.workers import WorkerRecord, worker_record_decoder
+from services.runtime.errors import CoordinatorError
+
+log = structlog.get_logger("lease")
+
+_encoder = msgspec.json.Encoder()
+
+
+class DuplicateWorker(CoordinatorError):
+    """Another live process holds this worker id (two units started the same worker)."""
+
+    code = "duplicate_worker"
+
+
+class LeaseLost(CoordinatorError):
+    code = "lease_lost"
+
+
+class Lease:
+    """This process's hold on ``worker_id`` in the ``workers`` bucket."""
+
+    def __init__(
+        self, kv: KeyValue, worker_id: str, ttl_s: float, record: Callable[[], WorkerRecord]
+    ) -> None:
+        self.kv = kv
+        self.worker_id = worker_id
+        self.ttl_s = ttl_s
+        self.record = record
+        self.revision: int | None = None
+        self.lost = asyncio.Event()
+
+    async def acquire(self) -> None:
+        """Take the key, or raise `DuplicateWorker` naming the live holder."""
+        value = _encoder.encode(self.record())
+        try:
+            self.revision = await self.kv.create(self.worker_id, value)
+            return
+        except KeyWrongLastSequenceError:
+            pass
+        entry = await self.kv.get(self.worker_id)
+        holder = worker_record_decoder.decode(entry.value or b"")
+        age = time.time() - holder.heartbeat_at
+        if age < self.ttl_s and holder.state != "stopping":
+            started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(holder.started_at))
+            raise DuplicateWorker(
+                f"worker id '{self.worker_id}' is already running: host {holder.host}, "
+                f"pid {holder.pid}, started {started}, last heartbeat {age:.1f} s ago. Stop that "
+                "instance first (two units starting the same worker make every task twice as slow)."
+            )
+        # The holder is gone but its entry has not expired yet: take it over.
+        self.revision = await self.kv.update(self.worker_id, value, last=entry.revision)
+
+    async def renew(self) -> None:
+        """Refresh the entry; raise `LeaseLost` (and set ``lost``) when another process took it."""
+        try:
+            self.revision = await self.kv.update(
+                self.worker_id, _encoder.encode(self.record()), last=self.revision
+            )
+        except (KeyWrongLastSequenceError, NotFoundError) as exc:
+            self.lost.set()
+            raise LeaseLost(f"lease of worker '{self.worker_id}' lost: {exc}") from exc
+
+    async def keep(self, interval_s: float) -> None:
+        """Renew every ``interval_s`` until the lease is lost (run it as a task, cancel to stop)."""
+        while not self.lost.is_set():
+            await asyncio.sleep(interval_s)
+            try:
+                await self.renew()
+            except LeaseLost as exc:
+                log.error("lease lost; stopping", worker_id=self.worker_id, error=exc.message)
+                return
+            except Exception as exc:  # the bus is reconnecting: try again next beat
+                log.warning("heartbeat failed", worker_id=self.worker_id, error=repr(exc))
+
+    async def release(self) -> None:
+        """Delete the entry if this process still holds it."""
+        if self.lost.is_set() or self.revision is None:
+            return
+        with suppress(Exception):
+            await self.kv.delete(self.worker_id, last=self.revision)
