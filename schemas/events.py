@@ -22,6 +22,8 @@ class Durations(Wire, frozen=True, kw_only=True):
     load_ms: float | None = None
     prompt_eval_ms: float | None = None
     eval_ms: float | None = None
+    first_token_ms: float | None = None
+    """From sending the prompt to the first token (or thinking) arriving."""
 
 
 class Tokens(Wire, frozen=True, kw_only=True):

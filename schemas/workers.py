@@ -24,6 +24,9 @@ class WorkerRecord(Wire, frozen=True, kw_only=True):
     heartbeat_at: float
     state: Literal["idle", "busy", "stopping"] = "idle"
     current_task: str | None = None
+    backend: str = "ollama"
+    wol_mac: str | None = None
+    """Wake-on-LAN address, for a machine that sleeps when idle."""
 
 
 worker_record_decoder = msgspec.json.Decoder(WorkerRecord)

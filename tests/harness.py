@@ -7,9 +7,14 @@ runs them; `ServiceRunner` stops them through their stop events, as SIGTERM woul
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -123,3 +128,45 @@ async def workers_live(nc: Client, count: int) -> list[dict[str, Any]]:
 
     result: list[dict[str, Any]] = await eventually(check, timeout_s=20.0)
     return result
+
+
+COORDINATOR = str(Path(sys.executable).parent / "coordinator")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any Coordinator setting, plus ``extra``."""
+    names = ("NATS_URL", "PG_DSN", "OLLAMA_HOST", "WORKER_ID", "WORKER_SUPPORTS", "WORKER_MODELS")
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    env.update(LOG_FORMAT="json", **extra)
+    return env
+
+
+class Processes:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+def run_cli(
+    *args: str, env: dict[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [COORDINATOR, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )

@@ -20,6 +20,8 @@ from services.runtime.errors import ConfigError
 
 S = TypeVar("S", bound="Settings")
 
+_MAC = re.compile(r"^[0-9A-Fa-f]{2}([:-][0-9A-Fa-f]{2}){5}$")
+
 LogFormat = Literal["auto", "json", "console"]
 
 
@@ -70,7 +72,13 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
     worker_host: str = msgspec.field(default_factory=socket.gethostname)
     worker_supports: list[Capability] = msgspec.field(default_factory=lambda: ["cpu_inference"])
     worker_models: list[str] = []
+    worker_backend: Literal["ollama", "openai"] = "ollama"
     ollama_host: str = "http://localhost:11434"
+    openai_base_url: str = "http://localhost:8080/v1"
+    openai_api_key: str | None = None
+    wol_mac: str | None = None
+    sanity_check: bool = True
+    sanity_timeout_s: float = 120.0
     heartbeat_interval_s: float = 5.0
     worker_ttl_s: float = 15.0
     ack_wait_s: float = 30.0
@@ -82,7 +90,9 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
             check_worker_id(self.worker_id)
         except InvalidId as exc:
             raise ConfigError(f"WORKER_ID: {exc}") from None
-        if not self.worker_supports:
+        if self.wol_mac is not None and not _MAC.match(self.wol_mac):
+            raise ConfigError(f"WOL_MAC={self.wol_mac!r} is malformed: expected aa:bb:cc:dd:ee:ff")
+        if not {"cpu_inference", "gpu_inference"}.intersection(self.worker_supports):
             raise ConfigError("WORKER_SUPPORTS: name at least one of cpu_inference, gpu_inference")
         if self.heartbeat_interval_s <= 0 or self.worker_ttl_s <= self.heartbeat_interval_s:
             raise ConfigError("WORKER_TTL_S must be longer than HEARTBEAT_INTERVAL_S (> 0)")

@@ -43,11 +43,15 @@ from services.runtime.lease import Lease, LeaseLost
 from services.runtime.settings import WorkerSettings
 from services.worker.backends import Backend
 from services.worker.backends.ollama import OllamaBackend
+from services.worker.backends.openai import OpenAIBackend
 
 log = structlog.get_logger("worker")
 
 _task_decoder = msgspec.json.Decoder(TaskMessage)
 _encoder = msgspec.json.Encoder()
+
+# A prompt any model can answer quickly; it only has to come back without an error.
+SANITY_PROMPT = "Reply with the single word OK."
 
 # How many times an outcome event is retried before the message is returned for redelivery.
 OUTCOME_PUBLISH_TRIES = 5
@@ -104,6 +108,36 @@ class Worker:
             )
         return models
 
+    async def sanity_check(self, models: list[str]) -> list[str]:
+        """Run a tiny prompt on each model; keep those that answer, fail the start if none do."""
+        if not self.settings.sanity_check:
+            return models
+        passed: list[str] = []
+        reasons: list[str] = []
+        for model in models:
+            try:
+                result = await self.backend.generate(
+                    model,
+                    SANITY_PROMPT,
+                    options={"num_predict": 8},
+                    timeout_s=self.settings.sanity_timeout_s,
+                )
+            except BackendError as exc:
+                log.error("model left out: sanity run failed", model=model, error=exc.message)
+                reasons.append(f"{model}: {exc.code}: {exc.message}")
+                continue
+            log.info(
+                "model passed its sanity run",
+                model=model,
+                total_ms=round(result.durations.total_ms, 1),
+            )
+            passed.append(model)
+        if not passed:
+            raise ConfigError(
+                f"no model passed its sanity run on {self.backend.address}: " + "; ".join(reasons)
+            )
+        return passed
+
     def record(self) -> WorkerRecord:
         return WorkerRecord(
             worker_id=self.settings.worker_id,
@@ -117,6 +151,8 @@ class Worker:
             heartbeat_at=time.time(),
             state="busy" if self.current_task else "idle",
             current_task=self.current_task,
+            backend=self.settings.worker_backend,
+            wol_mac=self.settings.wol_mac,
         )
 
     async def ensure_consumer(self) -> JetStreamContext.PullSubscription:
@@ -143,7 +179,7 @@ class Worker:
 
     async def start(self, stop: asyncio.Event) -> JetStreamContext.PullSubscription:
         """Learn the models, take the lease, bind the consumer and announce the worker."""
-        self.models = await self.discover_models(stop)
+        self.models = await self.sanity_check(await self.discover_models(stop))
         kv = await ensure_streams(self.js, worker_ttl_s=self.settings.worker_ttl_s)
         self.lease = Lease(kv, self.settings.worker_id, self.settings.worker_ttl_s, self.record)
         await self.lease.acquire()
@@ -320,7 +356,9 @@ class Worker:
             model=task.model,
             response=result.response,
             thinking=result.thinking,
-            durations=result.durations,
+            durations=msgspec.structs.replace(
+                result.durations, first_token_ms=result.first_token_ms
+            ),
             tokens=result.tokens,
         )
 
@@ -368,12 +406,21 @@ class Worker:
             )
 
 
+def make_backend(settings: WorkerSettings) -> Backend:
+    """The model-server client this worker's settings choose."""
+    if settings.worker_backend == "openai":
+        return OpenAIBackend(
+            settings.openai_base_url,
+            api_key=settings.openai_api_key,
+            connect_timeout_s=settings.backend_connect_timeout_s,
+        )
+    return OllamaBackend(settings.ollama_host, connect_timeout_s=settings.backend_connect_timeout_s)
+
+
 async def run(settings: WorkerSettings, stop: asyncio.Event) -> None:
     """Run one worker until ``stop`` is set."""
     nc = await connect(settings.nats_url, f"coordinator-worker-{settings.worker_id}")
-    backend = OllamaBackend(
-        settings.ollama_host, connect_timeout_s=settings.backend_connect_timeout_s
-    )
+    backend = make_backend(settings)
     try:
         await Worker(nc, settings, backend).run(stop)
     finally:

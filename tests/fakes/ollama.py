@@ -5,6 +5,16 @@ It answers the endpoints a worker uses (``/api/tags``, ``/api/generate``, ``/api
 NDJSON streamed with chunked transfer encoding by default, one JSON object with
 ``"stream": false``, durations in nanoseconds, ``{"error": ...}`` bodies on failure.
 
+It also serves Ollama's OpenAI-compatible API under ``/v1`` (``GET /v1/models``,
+``GET /v1/models/{model}``, ``POST /v1/chat/completions``, ``POST /v1/completions``) with
+the shapes of Ollama 0.12.0's compatibility layer: not streamed unless ``"stream": true``;
+streamed as Server-Sent Events (``data: {json}\n\n`` ... ``data: [DONE]\n\n``); a thinking
+model's thinking in the ``reasoning`` field of ``message`` / ``delta`` (Ollama's name, not
+``reasoning_content`` as llama.cpp and DeepSeek call it); ``usage`` in tokens, no timings;
+errors as ``{"error": {"message", "type", "param": null, "code": null}}``, the type being
+``invalid_request_error`` for a body Ollama cannot take and ``api_error`` for anything the
+model handler refuses (an unknown model included: 404, ``model 'x' not found``).
+
 Answers are deterministic: a prompt holding a small integer sum or product (``"1+1は？"``,
 ``"what is 6*7"``) is answered with the result; anything else is echoed back as
 ``"Echo from <model>: <prompt[:200]>"``. Models listed in ``thinking_models`` (and served)
@@ -14,9 +24,10 @@ Behaviour is steered through attributes (``delay_s``, ``fail_status``, ``models`
 Python or over HTTP (``POST /_fake/config`` with the same names), so a copy started in another
 process (``python -m tests.fakes.ollama --port P``) can be steered too. ``GET /_fake/stats``
 reports how many generations were asked for and how many ran at once (``generate_calls``,
-``chat_calls``, ``concurrent_max``, ``in_flight``, plus ``connections`` opened and generations
-``cancelled`` because the client hung up); ``POST /_fake/reset`` zeroes the counters and
-restores the knobs given at construction.
+``chat_calls``, ``openai_calls`` for ``/v1/chat/completions`` and ``/v1/completions``,
+``concurrent_max``, ``in_flight``, plus ``connections`` opened and generations ``cancelled``
+because the client hung up); ``POST /_fake/reset`` zeroes the counters and restores the knobs
+given at construction.
 
 Standard library only.
 """
@@ -24,10 +35,12 @@ Standard library only.
 from __future__ import annotations
 
 import argparse
+import calendar
 import hashlib
 import http
 import itertools
 import json
+import random
 import re
 import select
 import signal
@@ -36,13 +49,13 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType, TracebackType
 from typing import Any, ClassVar, Self, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -63,6 +76,8 @@ EVAL_NS_PER_TOKEN = 2_000_000  # 500 tokens/s
 _NS_PER_MS = 1_000_000
 _KEEP_ALIVE_NS = 5 * 60 * 1_000_000_000
 _MODIFIED_AT = "2025-06-01T12:00:00.123456789Z"
+_MODIFIED_UNIX = calendar.timegm(time.strptime(_MODIFIED_AT[:19], "%Y-%m-%dT%H:%M:%S"))
+_OPENAI_FINGERPRINT = "fp_ollama"
 
 _KNOBS = (
     "delay_s",
@@ -88,12 +103,25 @@ _FAILURE_MESSAGES = {
 
 
 class _ApiError(Exception):
-    """Answer the request with ``status`` and Ollama's ``{"error": message}`` body."""
+    """Answer the request with ``status`` and Ollama's ``{"error": message}`` body, or, with an
+    ``openai_type``, the OpenAI-compatible ``{"error": {"message", "type", ...}}`` body."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, openai_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.openai_type = openai_type
+
+    def as_openai(self, openai_type: str) -> _ApiError:
+        """This error in OpenAI's shape (kept as it is if it already has one)."""
+        if self.openai_type is not None:
+            return self
+        return _ApiError(self.status, self.message, openai_type=openai_type)
+
+    def body(self) -> dict[str, Any]:
+        if self.openai_type is None:
+            return {"error": self.message}
+        return _openai_error(self.message, self.openai_type)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -197,16 +225,27 @@ def _json_type(value: object) -> str:
     return "object"
 
 
-def _field(body: dict[str, Any], key: str, kind: type, struct: str) -> Any:
-    """``body[key]`` if absent, null or of ``kind``; otherwise Go's unmarshal error (HTTP 400)."""
+def _field(
+    body: dict[str, Any],
+    key: str,
+    kind: type | tuple[type, ...],
+    struct: str,
+    go_type: str | None = None,
+) -> Any:
+    """``body[key]`` if absent, null or of ``kind``; otherwise Go's unmarshal error (HTTP 400).
+
+    A JSON boolean fits only a ``bool`` kind (Python would let it pass for an ``int``)."""
     value = body.get(key)
-    if value is None or isinstance(value, kind):
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if value is None or (
+        isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+    ):
         return value
     go_types = {str: "string", bool: "bool", dict: "map[string]interface {}", list: "[]api.Message"}
     raise _ApiError(
         400,
         f"json: cannot unmarshal {_json_type(value)} into Go struct field "
-        f"{struct}.{key} of type {go_types.get(kind, kind.__name__)}",
+        f"{struct}.{key} of type {go_type or go_types.get(kinds[0], kinds[0].__name__)}",
     )
 
 
@@ -222,6 +261,27 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
             400, f"json: cannot unmarshal {_json_type(body)} into Go value of type object"
         )
     return body
+
+
+def _chat_prompt(messages: list[dict[str, str]]) -> tuple[str, int]:
+    """The text a chat answers (the last user message) and the prompt's token count."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    prompt = users[-1] if users else (messages[-1]["content"] if messages else "")
+    return prompt, sum(_count_tokens(m["content"]) + 4 for m in messages)
+
+
+def _openai_error(message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def _namespace(name: str) -> str:
+    """The namespace Ollama parses out of a model name (``library`` for plain names)."""
+    parts = name.split("/")  # the tag is in the last part only
+    return parts[-2] if len(parts) > 1 else "library"
+
+
+def _openai_model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": _MODIFIED_UNIX, "owned_by": _namespace(name)}
 
 
 def _check_knob(name: str, value: object) -> Any:
@@ -262,22 +322,39 @@ class _Knobs:
     drop_after_chunks: int | None
 
 
+@dataclass(frozen=True)
+class _Ask:
+    """One generation request, whichever API (Ollama's own or OpenAI's) it came through."""
+
+    model: str
+    prompt: str
+    prompt_tokens: int
+    empty: bool  # nothing to answer: Ollama just loads the model
+    think: bool | str | None
+    num_predict: object  # as given; only a non-negative int limits the answer
+    stream: bool
+    include_usage: bool = False  # OpenAI's stream_options.include_usage
+
+
 # --------------------------------------------------------------------------- the fake
 
 
 class FakeOllama:
     """An Ollama look-alike serving real HTTP on ``host:port`` (port 0: pick a free one).
 
-    Knobs (plain attributes, also settable with ``configure()`` or ``POST /_fake/config``):
+    Knobs (plain attributes, also settable with ``configure()`` or ``POST /_fake/config``);
+    they steer ``/v1/chat/completions`` and ``/v1/completions`` just as they do ``/api/chat``:
 
     - ``delay_s``: seconds to wait before answering ``/api/generate`` and ``/api/chat``;
-    - ``fail_status``: answer those with this HTTP status and an ``{"error": ...}`` body;
+    - ``fail_status``: answer those with this HTTP status and an ``{"error": ...}`` body
+      (in OpenAI's shape, type ``api_error``, on ``/v1``);
     - ``models``: the models served (``/api/tags``; others get 404);
     - ``thinking_models``: served models that think (``thinking`` apart from the answer);
     - ``load_ms``: ``load_duration`` reported on the first call of each model (cold start);
     - ``chunk_delay_s``: seconds between streamed chunks;
     - ``error_after_chunks``: after N streamed pieces, send Ollama's mid-stream
-      ``{"error": ...}`` line and end the stream (no ``done`` line);
+      ``{"error": ...}`` line and end the stream (no ``done`` line); on ``/v1`` an SSE event
+      ``data: {"error": {...}}`` and the end, with no ``finish_reason`` and no ``[DONE]``;
     - ``drop_after_chunks``: after N streamed pieces, cut the connection (a crash).
     """
 
@@ -315,6 +392,7 @@ class FakeOllama:
         self._lock = threading.Lock()
         self._generate_calls = 0
         self._chat_calls = 0
+        self._openai_calls = 0
         self._in_flight = 0
         self._concurrent_max = 0
         self._connections_opened = 0
@@ -410,6 +488,7 @@ class FakeOllama:
             return {
                 "generate_calls": self._generate_calls,
                 "chat_calls": self._chat_calls,
+                "openai_calls": self._openai_calls,
                 "concurrent_max": self._concurrent_max,
                 "in_flight": self._in_flight,
                 "connections": self._connections_opened,
@@ -421,6 +500,7 @@ class FakeOllama:
         with self._lock:
             self._generate_calls = 0
             self._chat_calls = 0
+            self._openai_calls = 0
             self._concurrent_max = self._in_flight
             self._connections_opened = 0
             self._cancelled_calls = 0
@@ -468,10 +548,13 @@ class FakeOllama:
             self._cancelled_calls += 1
 
     @contextmanager
-    def _track(self, chat: bool) -> Iterator[None]:
+    def _track(self, api: str) -> Iterator[None]:
+        """Count one generation of ``api`` (``generate``, ``chat`` or ``openai``) while it runs."""
         with self._lock:
-            if chat:
+            if api == "chat":
                 self._chat_calls += 1
+            elif api == "openai":
+                self._openai_calls += 1
             else:
                 self._generate_calls += 1
             self._in_flight += 1
@@ -580,8 +663,10 @@ class _Handler(BaseHTTPRequestHandler):
         except _ApiError as exc:
             if self._started:
                 self.close_connection = True
+            elif exc.openai_type is not None:
+                self._send_openai_json(exc.status, exc.body())
             else:
-                self._send_json(exc.status, {"error": exc.message})
+                self._send_json(exc.status, exc.body())
         except OSError:
             self.close_connection = True  # the client went away
         except Exception as exc:
@@ -607,6 +692,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._generation(raw, chat=True)
         elif method == "POST" and path == "/api/show":
             self._show(raw)
+        elif method == "GET" and path == "/v1/models":
+            self._send_openai_json(200, self._openai_models())
+        elif method == "GET" and path.startswith("/v1/models/"):
+            self._openai_retrieve(unquote(path.removeprefix("/v1/models/")))
+        elif method == "POST" and path == "/v1/chat/completions":
+            self._openai_generation(raw, chat=True)
+        elif method == "POST" and path == "/v1/completions":
+            self._openai_generation(raw, chat=False)
         elif method == "GET" and path == "/_fake/stats":
             self._send_json(200, self._fake.stats())
         elif method == "GET" and path == "/_fake/config":
@@ -665,6 +758,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_json(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
         self._send_bytes(status, data, "application/json; charset=utf-8")
+
+    def _send_openai_json(self, status: int, payload: dict[str, Any]) -> None:
+        """As Ollama's ``/v1`` writers do: plain ``application/json``, Go's encoder newline."""
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        self._send_bytes(status, data, "application/json")
 
     # ---------------------------------------------------------------- model listing
 
@@ -730,93 +828,115 @@ class _Handler(BaseHTTPRequestHandler):
     # ---------------------------------------------------------------- generation
 
     def _generation(self, raw: bytes, *, chat: bool) -> None:
-        fake = self._fake
         started = time.monotonic_ns()
-        with fake._track(chat):
-            body = _parse_object(raw)
-            struct = self._go_structs[chat]
-            model: str = _field(body, "model", str, struct) or ""
-            stream_field: bool | None = _field(body, "stream", bool, struct)
-            stream = True if stream_field is None else stream_field
-            options: dict[str, Any] = _field(body, "options", dict, struct) or {}
-            think = body.get("think")
-            if think is not None and not isinstance(think, bool | str):
-                raise _ApiError(
-                    400, 'think must be a boolean or string ("high", "medium", "low", true, false)'
-                )
-            if chat:
-                messages = self._messages(body)
-                users = [m["content"] for m in messages if m["role"] == "user"]
-                prompt = users[-1] if users else (messages[-1]["content"] if messages else "")
-                prompt_tokens = sum(_count_tokens(m["content"]) + 4 for m in messages)
-                empty = not messages
-            else:
-                prompt = _field(body, "prompt", str, struct) or ""
-                system = _field(body, "system", str, struct) or ""
-                prompt_tokens = _count_tokens(system) + _count_tokens(prompt) + 4
-                empty = prompt == ""
-
-            if not model:
-                # Ollama's own (asymmetric) answers for a missing model name.
-                raise (
-                    _ApiError(400, "model is required")
-                    if chat
-                    else _ApiError(404, "model '' not found")
-                )
-            normalized = fake._find(model)
-            if normalized is None:
-                raise _ApiError(404, f"model '{model}' not found")
-            thinks = fake._thinks(normalized)
-            if thinks:
-                if isinstance(think, str) and not normalized.startswith("gpt-oss"):
-                    raise _ApiError(
-                        400, f"think value {json.dumps(think)} is not supported for this model"
-                    )
-                think_on = think is None or bool(think)
-            else:
-                if think:
-                    raise _ApiError(400, f"{json.dumps(model)} does not support thinking")
-                think_on = False
-
-            knobs = fake._knobs()
-            if not self._pause(knobs.delay_s):
-                self.close_connection = True
+        with self._fake._track("chat" if chat else "generate"):
+            ask = self._native_ask(raw, chat=chat)
+            prepared = self._prepare(ask, chat=chat, started_ns=started)
+            if prepared is None:
                 return
-            if knobs.fail_status is not None:
-                status = knobs.fail_status
-                message = _FAILURE_MESSAGES.get(status) or _phrase(status)
-                raise _ApiError(status, message)
-
-            load_ns = fake._load(normalized)
-            if empty:
+            plan, knobs = prepared
+            if ask.empty:
                 # An empty prompt (or no messages) just loads the model.
-                self._send_json(200, self._load_reply(model, chat))
-                return
+                self._send_json(200, self._load_reply(ask.model, chat))
+            elif ask.stream:
+                self._stream(plan, knobs)
+            else:
+                self._send_json(200, plan.whole())
 
-            answer = _answer(model, prompt)
-            thinking_pieces = _pieces(_thinking(prompt, answer)) if think_on else []
+    def _native_ask(self, raw: bytes, *, chat: bool) -> _Ask:
+        """Read an ``/api/generate`` or ``/api/chat`` body."""
+        body = _parse_object(raw)
+        struct = self._go_structs[chat]
+        model: str = _field(body, "model", str, struct) or ""
+        stream_field: bool | None = _field(body, "stream", bool, struct)
+        options: dict[str, Any] = _field(body, "options", dict, struct) or {}
+        think = body.get("think")
+        if think is not None and not isinstance(think, bool | str):
+            raise _ApiError(
+                400, 'think must be a boolean or string ("high", "medium", "low", true, false)'
+            )
+        if chat:
+            messages = self._messages(body)
+            prompt, prompt_tokens = _chat_prompt(messages)
+            empty = not messages
+        else:
+            prompt = _field(body, "prompt", str, struct) or ""
+            system = _field(body, "system", str, struct) or ""
+            prompt_tokens = _count_tokens(system) + _count_tokens(prompt) + 4
+            empty = prompt == ""
+        return _Ask(
+            model=model,
+            prompt=prompt,
+            prompt_tokens=prompt_tokens,
+            empty=empty,
+            think=think,
+            num_predict=options.get("num_predict"),
+            stream=True if stream_field is None else stream_field,
+        )
+
+    def _prepare(self, ask: _Ask, *, chat: bool, started_ns: int) -> tuple[_Plan, _Knobs] | None:
+        """Ollama's chat or generate handler, whichever API asked: check the model and
+        ``think``, apply the knobs, plan the answer. None if the client hung up (or ``stop()``
+        was called) during ``delay_s``; the connection is then closed."""
+        fake = self._fake
+        model = ask.model
+        if not model:
+            # Ollama's own (asymmetric) answers for a missing model name.
+            raise (
+                _ApiError(400, "model is required")
+                if chat
+                else _ApiError(404, "model '' not found")
+            )
+        normalized = fake._find(model)
+        if normalized is None:
+            raise _ApiError(404, f"model '{model}' not found")
+        think = ask.think
+        if fake._thinks(normalized):
+            if isinstance(think, str) and not normalized.startswith("gpt-oss"):
+                raise _ApiError(
+                    400, f"think value {json.dumps(think)} is not supported for this model"
+                )
+            think_on = think is None or bool(think)
+        else:
+            if think:
+                raise _ApiError(400, f"{json.dumps(model)} does not support thinking")
+            think_on = False
+
+        knobs = fake._knobs()
+        if not self._pause(knobs.delay_s):
+            self.close_connection = True
+            return None
+        if knobs.fail_status is not None:
+            status = knobs.fail_status
+            message = _FAILURE_MESSAGES.get(status) or _phrase(status)
+            raise _ApiError(status, message)
+
+        load_ns = fake._load(normalized)
+        thinking_pieces: list[str] = []
+        response_pieces: list[str] = []
+        done_reason = "load"
+        if not ask.empty:
+            answer = _answer(model, ask.prompt)
+            thinking_pieces = _pieces(_thinking(ask.prompt, answer)) if think_on else []
             response_pieces = _pieces(answer)
             done_reason = "stop"
-            limit = options.get("num_predict")
+            limit = ask.num_predict
             wanted = len(thinking_pieces) + len(response_pieces)
             if isinstance(limit, int) and not isinstance(limit, bool) and 0 <= limit < wanted:
                 done_reason = "length"
                 thinking_pieces = thinking_pieces[:limit]
                 response_pieces = response_pieces[: limit - len(thinking_pieces)]
-            plan = _Plan(
-                model=model,
-                chat=chat,
-                thinking_pieces=thinking_pieces,
-                response_pieces=response_pieces,
-                done_reason=done_reason,
-                prompt_eval_count=prompt_tokens,
-                load_ns=load_ns,
-                started_ns=started,
-            )
-            if stream:
-                self._stream(plan, knobs)
-            else:
-                self._send_json(200, plan.whole())
+        plan = _Plan(
+            model=model,
+            chat=chat,
+            thinking_pieces=thinking_pieces,
+            response_pieces=response_pieces,
+            done_reason=done_reason,
+            prompt_eval_count=0 if ask.empty else ask.prompt_tokens,
+            load_ns=load_ns,
+            started_ns=started_ns,
+        )
+        return plan, knobs
 
     def _messages(self, body: dict[str, Any]) -> list[dict[str, str]]:
         raw = _field(body, "messages", list, "ChatRequest") or []
@@ -844,9 +964,33 @@ class _Handler(BaseHTTPRequestHandler):
         return reply
 
     def _stream(self, plan: _Plan, knobs: _Knobs) -> None:
+        """Stream ``plan`` as Ollama's NDJSON."""
+
+        def line(payload: dict[str, Any]) -> bytes:
+            return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+        self._send_stream(
+            "application/x-ndjson",
+            (line(payload) for payload in plan.chunks()),
+            lambda: [line(plan.final())],
+            line({"error": _FAILURE_MESSAGES[500]}),
+            knobs,
+        )
+
+    def _send_stream(
+        self,
+        content_type: str,
+        pieces: Iterable[bytes],
+        final: Callable[[], Sequence[bytes]],
+        error: bytes,
+        knobs: _Knobs,
+    ) -> None:
+        """Send a streamed body: the ``pieces`` (made as they are sent), then the ``final``
+        writes, each in its own HTTP chunk, ``chunk_delay_s`` apart; ``error_after_chunks`` and
+        ``drop_after_chunks`` cut it short, with ``error`` or with a dropped connection."""
         chunked = self.request_version != "HTTP/1.0"
         self.send_response(200)
-        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Content-Type", content_type)
         if chunked:
             self.send_header("Transfer-Encoding", "chunked")
         else:
@@ -854,28 +998,149 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self._started = True
 
-        def write(payload: dict[str, Any]) -> None:
-            line = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        def write(data: bytes) -> None:
             if chunked:
-                line = f"{len(line):X}\r\n".encode() + line + b"\r\n"
-            self.wfile.write(line)
+                data = f"{len(data):X}\r\n".encode() + data + b"\r\n"
+            self.wfile.write(data)
             self.wfile.flush()
 
-        for sent, payload in enumerate(itertools.chain(plan.chunks(), [None])):
-            last = payload is None  # None stands for the final line
+        for sent, piece in enumerate(itertools.chain(pieces, [None])):
+            last = piece is None  # None stands for the final writes
             if knobs.drop_after_chunks is not None and (last or sent >= knobs.drop_after_chunks):
                 self._cut()
                 return
             if knobs.error_after_chunks is not None and (last or sent >= knobs.error_after_chunks):
-                write({"error": _FAILURE_MESSAGES[500]})
+                write(error)
                 break
             if sent and not self._pause(knobs.chunk_delay_s):
                 self._cut()
                 return
-            write(plan.final() if payload is None else payload)
+            for data in final() if piece is None else [piece]:
+                write(data)
         if chunked:
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
+
+    # ---------------------------------------------------------------- OpenAI-compatible API
+
+    def _openai_models(self) -> dict[str, Any]:
+        # Go marshals the empty model list of a fresh Ollama as null.
+        return {"object": "list", "data": [_openai_model(n) for n in self._fake.models] or None}
+
+    def _openai_retrieve(self, name: str) -> None:
+        if self._fake._find(name) is None:
+            raise _ApiError(404, f"model '{name}' not found", openai_type="api_error")
+        self._send_openai_json(200, _openai_model(name))
+
+    def _openai_generation(self, raw: bytes, *, chat: bool) -> None:
+        """``/v1/chat/completions`` (chat) or ``/v1/completions``: Ollama's compatibility layer
+        reads the body (its errors: ``invalid_request_error``), hands it to the chat or generate
+        handler (its errors: ``api_error``) and rewrites the answer in OpenAI's shapes."""
+        started = time.monotonic_ns()
+        with self._fake._track("openai"):
+            try:
+                ask = self._openai_ask(raw, chat=chat)
+            except _ApiError as exc:
+                raise exc.as_openai("invalid_request_error") from None
+            try:
+                prepared = self._prepare(ask, chat=chat, started_ns=started)
+            except _ApiError as exc:
+                raise exc.as_openai("api_error") from None
+            if prepared is None:
+                return
+            plan, knobs = prepared
+            reply = _OpenAIReply.of(plan, include_usage=ask.include_usage)
+            if not ask.stream:
+                self._send_openai_json(200, reply.whole())
+                return
+
+            def event(payload: dict[str, Any] | str) -> bytes:
+                text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+                return f"data: {payload if isinstance(payload, str) else text}\n\n".encode()
+
+            self._send_stream(
+                "text/event-stream",
+                (event(payload) for payload in reply.chunks()),
+                lambda: [event(payload) for payload in reply.final()],
+                event(_openai_error(_FAILURE_MESSAGES[500], "api_error")),
+                knobs,
+            )
+
+    def _openai_ask(self, raw: bytes, *, chat: bool) -> _Ask:
+        """Read a ``ChatCompletionRequest`` or a ``CompletionRequest`` body as Ollama does."""
+        if not raw.strip():
+            raise _ApiError(400, "EOF")  # what Go's decoder says of an empty body
+        body = _parse_object(raw)
+        struct = "ChatCompletionRequest" if chat else "CompletionRequest"
+        model: str = _field(body, "model", str, struct) or ""
+        stream: bool = _field(body, "stream", bool, struct) or False
+        options: dict[str, Any] = (
+            _field(body, "stream_options", dict, struct, "openai.StreamOptions") or {}
+        )
+        include_usage: bool = _field(options, "include_usage", bool, "StreamOptions") or False
+        max_tokens: int | None = _field(body, "max_tokens", int, struct, "int")
+        _field(body, "temperature", (int, float), struct, "float64")
+        think: str | None = None
+        if chat:
+            messages = self._openai_messages(body)
+            if not messages:
+                raise _ApiError(400, "[] is too short - 'messages'")
+            prompt, prompt_tokens = _chat_prompt(messages)
+            empty = False
+            reasoning = _field(body, "reasoning", dict, struct, "openai.Reasoning") or {}
+            think = _field(reasoning, "effort", str, "Reasoning") or _field(
+                body, "reasoning_effort", str, struct
+            )
+        else:
+            prompt = _field(body, "prompt", str, struct) or ""
+            prompt_tokens = _count_tokens(prompt) + 4
+            empty = prompt == ""
+        return _Ask(
+            model=model,
+            prompt=prompt,
+            prompt_tokens=prompt_tokens,
+            empty=empty,
+            think=think,
+            num_predict=max_tokens,
+            stream=stream,
+            include_usage=include_usage,
+        )
+
+    def _openai_messages(self, body: dict[str, Any]) -> list[dict[str, str]]:
+        """OpenAI messages as Ollama's: string content, or text (and image) parts, one each."""
+        raw = _field(body, "messages", list, "ChatCompletionRequest", "[]openai.Message") or []
+        messages: list[dict[str, str]] = []
+        for item in raw:
+            if not isinstance(item, dict):
+                raise _ApiError(
+                    400,
+                    f"json: cannot unmarshal {_json_type(item)} into Go struct field "
+                    "ChatCompletionRequest.messages of type openai.Message",
+                )
+            role = _field(item, "role", str, "Message") or ""
+            content = item.get("content")
+            if isinstance(content, str):
+                messages.append({"role": role, "content": content})
+            elif isinstance(content, list):
+                for part in content:
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind == "text" and isinstance(part.get("text"), str):
+                        messages.append({"role": role, "content": part["text"]})
+                    elif kind == "image_url":
+                        messages.append({"role": role, "content": ""})
+                    else:
+                        raise _ApiError(400, "invalid message format")
+            elif item.get("tool_calls"):
+                messages.append({"role": role, "content": ""})  # content is optional with these
+            else:
+                go_type = {
+                    "null": "<nil>",
+                    "number": "float64",
+                    "object": "map[string]interface {}",
+                }
+                kind = _json_type(content)
+                raise _ApiError(400, f"invalid message content type: {go_type.get(kind, kind)}")
+        return messages
 
     def _pause(self, seconds: float) -> bool:
         """Wait ``seconds``, like a model computing; False if the client hung up meanwhile
@@ -973,6 +1238,106 @@ class _Plan:
         thinking = "".join(self.thinking_pieces) or None
         text = self._text("".join(self.response_pieces), thinking)
         return {**self._head(), **text, **self._metrics()}
+
+
+@dataclass(frozen=True)
+class _OpenAIReply:
+    """A plan in the shapes of Ollama's OpenAI compatibility layer (0.12.0): ``chat.completion``
+    and ``chat.completion.chunk`` for a chat, ``text_completion`` for a legacy completion.
+
+    Each streamed chat delta carries ``"role": "assistant"`` and ``content`` (``""`` beside
+    thinking); thinking goes in ``reasoning``. The finishing chunk has an empty ``content`` and
+    the ``finish_reason``; with ``stream_options.include_usage`` a chunk with no choices and the
+    ``usage`` follows (legacy completion chunks then also carry zero ``usage``, as Ollama's do).
+    A legacy completion drops the thinking, as Ollama does (its pieces stream as empty text).
+    """
+
+    plan: _Plan
+    include_usage: bool
+    id: str
+    created: int
+
+    @classmethod
+    def of(cls, plan: _Plan, *, include_usage: bool) -> _OpenAIReply:
+        prefix = "chatcmpl" if plan.chat else "cmpl"
+        return cls(plan, include_usage, f"{prefix}-{random.randrange(999)}", int(time.time()))
+
+    def _usage(self) -> dict[str, int]:
+        prompt = self.plan.prompt_eval_count
+        completion = len(self.plan.thinking_pieces) + len(self.plan.response_pieces)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def _choice(self, text: str, thinking: str | None, finish: str | None) -> dict[str, Any]:
+        if not self.plan.chat:
+            return {"text": text, "index": 0, "finish_reason": finish}
+        delta: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            delta["reasoning"] = thinking
+        return {"index": 0, "delta": delta, "finish_reason": finish}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.plan.chat:
+            return {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.plan.model,
+                "system_fingerprint": _OPENAI_FINGERPRINT,
+                "choices": choices,
+            }
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "choices": choices,
+            "model": self.plan.model,
+            "system_fingerprint": _OPENAI_FINGERPRINT,
+        }
+        if self.include_usage:
+            chunk["usage"] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        return chunk
+
+    def chunks(self) -> Iterator[dict[str, Any]]:
+        """The streamed pieces: thinking first, then the answer."""
+        for piece in self.plan.thinking_pieces:
+            yield self._chunk([self._choice("", piece, None)])
+        for piece in self.plan.response_pieces:
+            yield self._chunk([self._choice(piece, None, None)])
+
+    def final(self) -> list[dict[str, Any] | str]:
+        """What ends the stream: the ``finish_reason`` chunk, the usage chunk, ``[DONE]``."""
+        finish = self._chunk([self._choice("", None, self.plan.done_reason)])
+        events: list[dict[str, Any] | str] = [finish]
+        if self.include_usage:
+            events.append({**finish, "choices": [], "usage": self._usage()})
+        events.append("[DONE]")
+        return events
+
+    def whole(self) -> dict[str, Any]:
+        """The not-streamed answer."""
+        plan = self.plan
+        text = "".join(plan.response_pieces)
+        choice: dict[str, Any]
+        if plan.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking := "".join(plan.thinking_pieces):
+                message["reasoning"] = thinking
+            choice = {"index": 0, "message": message, "finish_reason": plan.done_reason}
+        else:
+            choice = {"text": text, "index": 0, "finish_reason": plan.done_reason}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if plan.chat else "text_completion",
+            "created": self.created,
+            "model": plan.model,
+            "system_fingerprint": _OPENAI_FINGERPRINT,
+            "choices": [choice],
+            "usage": self._usage(),
+        }
 
 
 # --------------------------------------------------------------------------- command line

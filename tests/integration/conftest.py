@@ -9,7 +9,7 @@ import pytest
 from nats.aio.client import Client
 
 from tests.fakes.ollama import FakeOllama
-from tests.harness import ServiceRunner
+from tests.harness import Processes, ServiceRunner
 from tests.servers import NatsServer
 
 
@@ -31,3 +31,11 @@ async def runner() -> AsyncIterator[ServiceRunner]:
     services = ServiceRunner()
     yield services
     await services.stop_all()
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    """Subprocesses started by a test, stopped (SIGTERM, then SIGKILL) at its end."""
+    procs = Processes()
+    yield procs
+    procs.stop_all()

@@ -12,14 +12,13 @@ import asyncio
 from services.runtime.bus import connect
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.settings import WorkerSettings
-from services.worker.backends.ollama import OllamaBackend
-from services.worker.service import Worker
+from services.worker.service import Worker, make_backend
 
 
 async def main(stop: asyncio.Event) -> None:
     settings = WorkerSettings.from_env()
     nc = await connect(settings.nats_url, "second-puller")
-    backend = OllamaBackend(settings.ollama_host)
+    backend = make_backend(settings)
     worker = Worker(nc, settings, backend)
     worker.models = await worker.discover_models(stop)
     sub = await worker.ensure_consumer()

@@ -3,60 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from nats.aio.client import Client
 
 from tests.fakes.ollama import FakeOllama
-from tests.harness import ServiceRunner, request, workers_live
+from tests.harness import (
+    COORDINATOR,
+    Processes,
+    ServiceRunner,
+    clean_env,
+    request,
+    run_cli,
+    workers_live,
+)
 from tests.servers import NatsServer
 
 MODEL = "qwen2.5:0.5b"
-COORDINATOR = str(Path(sys.executable).parent / "coordinator")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any Coordinator setting, plus ``extra``."""
-    names = ("NATS_URL", "PG_DSN", "OLLAMA_HOST", "WORKER_ID", "WORKER_SUPPORTS", "WORKER_MODELS")
-    env = {k: v for k, v in os.environ.items() if k not in names}
-    env.update(LOG_FORMAT="json", **extra)
-    return env
-
-
-class Processes:
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self.procs.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-
-
-@pytest.fixture
-def processes() -> Iterator[Processes]:
-    procs = Processes()
-    yield procs
-    procs.stop_all()
 
 
 def worker_env(nats_server: NatsServer, ollama: FakeOllama, worker_id: str) -> dict[str, str]:
@@ -129,26 +95,25 @@ async def test_two_processes_bound_to_one_worker_queue_never_run_two_tasks_at_on
     assert stats["concurrent_max"] == 1
 
 
-def run_cli(
-    *args: str, env: dict[str, str], timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [COORDINATOR, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-
-
-async def test_coordinator_up_runs_the_stack_that_ask_and_task_then_use(
-    tmp_path: Path, ollama: FakeOllama, processes: Processes
-) -> None:
-    env = clean_env(OLLAMA_HOST=ollama.url, COORDINATOR_HOME=str(tmp_path / "home"))
-    up = processes.start([COORDINATOR, "up"], env)
+async def wait_until_ready(up: subprocess.Popen[str]) -> str:
+    """Read ``coordinator up``'s banner up to its ``ready`` line."""
     assert up.stderr is not None
     banner: list[str] = []
     while not any(line.startswith("ready") for line in banner):
         line = await asyncio.to_thread(up.stderr.readline)
-        assert line, f"coordinator up ended early: {''.join(banner)}"
+        if not line:
+            out, err = await asyncio.to_thread(up.communicate, timeout=15)
+            raise AssertionError(f"coordinator up ended early: {''.join(banner)}{err}\n{out}")
         banner.append(line)
-    text = "".join(banner)
+    return "".join(banner)
+
+
+async def test_coordinator_up_runs_the_stack_that_ask_and_task_then_use(
+    tmp_path: Path, ollama: FakeOllama, processes: Processes, pg_dsn: str
+) -> None:
+    env = clean_env(OLLAMA_HOST=ollama.url, COORDINATOR_HOME=str(tmp_path / "home"), PG_DSN=pg_dsn)
+    up = processes.start([COORDINATOR, "up"], env)
+    text = await wait_until_ready(up)
     assert "(embedded, store" in text
     assert "Ctrl-C" in text
     assert (tmp_path / "home" / "stack.json").exists()
@@ -190,17 +155,32 @@ async def test_coordinator_up_runs_the_stack_that_ask_and_task_then_use(
 
 
 async def test_coordinator_up_says_plainly_when_ollama_cannot_be_reached(
-    tmp_path: Path, processes: Processes
+    tmp_path: Path, processes: Processes, pg_dsn: str
 ) -> None:
-    env = clean_env(OLLAMA_HOST="http://127.0.0.1:9", COORDINATOR_HOME=str(tmp_path / "home"))
+    env = clean_env(
+        OLLAMA_HOST="http://127.0.0.1:9", COORDINATOR_HOME=str(tmp_path / "home"), PG_DSN=pg_dsn
+    )
     up = processes.start([COORDINATOR, "up"], env)
-    assert up.stderr is not None
-    lines: list[str] = []
-    while not any(line.startswith("ready") for line in lines):
-        line = await asyncio.to_thread(up.stderr.readline)
-        assert line, "".join(lines)
-        lines.append(line)
-    assert any("Ollama at http://127.0.0.1:9 cannot be reached" in line for line in lines)
+    banner = await wait_until_ready(up)
+    assert "Ollama at http://127.0.0.1:9 cannot be reached" in banner
+    up.send_signal(signal.SIGINT)
+    await asyncio.to_thread(up.communicate, timeout=30)
+    assert up.returncode == 0
+
+
+async def test_coordinator_up_starts_an_embedded_postgresql_when_pg_dsn_is_unset(
+    tmp_path: Path, ollama: FakeOllama, processes: Processes
+) -> None:
+    env = clean_env(OLLAMA_HOST=ollama.url, COORDINATOR_HOME=str(tmp_path / "home"))
+    up = processes.start([COORDINATOR, "up"], env)
+    banner = await wait_until_ready(up)
+    assert "(embedded)" in banner.split("PostgreSQL", 1)[1].split("\n", 1)[0]
+
+    # The stats service answers from that database: an unknown task is a clean not_found.
+    shown = await asyncio.to_thread(run_cli, "task", "no-such-task", env=env)
+    assert shown.returncode == 1
+    assert shown.stderr.startswith("error not_found:"), shown.stderr
+
     up.send_signal(signal.SIGINT)
     await asyncio.to_thread(up.communicate, timeout=30)
     assert up.returncode == 0

@@ -332,3 +332,257 @@ def test_module_runs_as_a_process() -> None:
             _, errors = process.communicate(timeout=10)
         assert process.returncode == 0
         assert errors == ""  # no per-request logging
+
+
+# --------------------------------------------------------------------------- OpenAI-compatible /v1
+
+
+def chat_body(model: str = "gemma3:1b", content: str = "1+1は？", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def sse_events(client: httpx.Client, path: str, body: dict[str, Any]) -> list[Any]:
+    """The ``data:`` payloads of a streamed /v1 answer, ``"[DONE]"`` kept as a string."""
+    with client.stream("POST", path, json=body) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-type"] == "text/event-stream"
+        assert reply.headers["transfer-encoding"] == "chunked"
+        text = reply.read().decode()
+    assert text.endswith("\n\n")
+    events: list[Any] = []
+    for block in text.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_openai_error(reply: httpx.Response, status: int, kind: str, message: str) -> None:
+    assert reply.status_code == status
+    assert reply.headers["content-type"] == "application/json"
+    assert reply.json() == {
+        "error": {"message": message, "type": kind, "param": None, "code": None}
+    }
+
+
+def test_openai_models_list_and_retrieve(fake: FakeOllama, client: httpx.Client) -> None:
+    reply = client.get("/v1/models")
+    assert reply.status_code == 200
+    assert reply.headers["content-type"] == "application/json"
+    listing = reply.json()
+    assert listing["object"] == "list"
+    assert [m["id"] for m in listing["data"]] == ["qwen2.5:0.5b", "gemma3:1b"]
+    for entry in listing["data"]:
+        assert entry.keys() == {"id", "object", "created", "owned_by"}
+        assert entry["object"] == "model" and entry["owned_by"] == "library"
+        assert isinstance(entry["created"], int) and entry["created"] > 1_600_000_000
+
+    fake.models = ["someone/custom:7b"]
+    assert client.get("/v1/models").json()["data"][0]["owned_by"] == "someone"
+    fake.models = []
+    assert client.get("/v1/models").json() == {"object": "list", "data": None}  # Go's nil slice
+
+    fake.models = ["gemma3:1b"]
+    one = client.get("/v1/models/gemma3:1b").json()
+    assert one["id"] == "gemma3:1b" and one["object"] == "model"
+    assert_openai_error(
+        client.get("/v1/models/nope:1b"), 404, "api_error", "model 'nope:1b' not found"
+    )
+
+
+def test_openai_chat_not_streamed_answers_with_usage(
+    fake: FakeOllama, client: httpx.Client
+) -> None:
+    reply = client.post("/v1/chat/completions", json=chat_body(temperature=0.2))
+    assert reply.status_code == 200
+    assert reply.headers["content-type"] == "application/json"
+    body = reply.json()
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    assert isinstance(body["created"], int) and abs(body["created"] - time.time()) < 60
+    assert body["model"] == "gemma3:1b"
+    assert body["system_fingerprint"] == "fp_ollama"
+    assert body["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": "2"}, "finish_reason": "stop"}
+    ]
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 1 and usage["prompt_tokens"] >= 1
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+    parts = {"role": "user", "content": [{"type": "text", "text": "what is 6*7"}]}
+    product = client.post("/v1/chat/completions", json={"model": "gemma3:1b", "messages": [parts]})
+    assert product.json()["choices"][0]["message"]["content"] == "42"
+
+    prompt = "one two three four five six seven"
+    cut = client.post("/v1/chat/completions", json=chat_body(content=prompt, max_tokens=2)).json()
+    assert cut["choices"][0]["finish_reason"] == "length"
+    assert cut["choices"][0]["message"]["content"] == "Echo from "
+    assert cut["usage"]["completion_tokens"] == 2
+
+    # The /v1 call did the cold start: no load field to show it, but the model is loaded.
+    fake.load_ms = 300
+    client.post("/v1/chat/completions", json=chat_body("qwen2.5:0.5b"))
+    loaded = {m["name"] for m in client.get("/api/ps").json()["models"]}
+    assert loaded == {"gemma3:1b", "qwen2.5:0.5b"}
+    native = client.post("/api/chat", json={**chat_body("qwen2.5:0.5b"), "stream": False})
+    assert native.json()["load_duration"] == 0
+
+    stats = fake.stats()
+    assert stats["openai_calls"] == 4
+    assert stats["chat_calls"] == 1 and stats["generate_calls"] == 0
+    assert stats["in_flight"] == 0
+
+
+def test_openai_chat_streamed_as_server_sent_events(client: httpx.Client) -> None:
+    prompt = "Tell me a short story about a cat on a warm roof"
+    whole = client.post("/v1/chat/completions", json=chat_body(content=prompt)).json()
+    content = whole["choices"][0]["message"]["content"]
+    assert content == f"Echo from gemma3:1b: {prompt}"
+
+    events = sse_events(client, "/v1/chat/completions", chat_body(content=prompt, stream=True))
+    *chunks, finish, done = events
+    assert done == "[DONE]"
+    assert len(chunks) >= 3
+    assert len({event["id"] for event in [*chunks, finish]}) == 1
+    for chunk in chunks:
+        assert chunk["object"] == "chat.completion.chunk"
+        assert chunk["model"] == "gemma3:1b"
+        assert "usage" not in chunk
+        (choice,) = chunk["choices"]
+        assert choice["index"] == 0 and choice["finish_reason"] is None
+        assert choice["delta"]["role"] == "assistant"
+        assert "reasoning" not in choice["delta"]
+    assert "".join(chunk["choices"][0]["delta"]["content"] for chunk in chunks) == content
+    assert finish["choices"][0]["finish_reason"] == "stop"
+    assert finish["choices"][0]["delta"].get("content", "") == ""
+
+    asked = chat_body(content=prompt, stream=True, stream_options={"include_usage": True})
+    *_, last_chunk, usage_chunk, done = sse_events(client, "/v1/chat/completions", asked)
+    assert done == "[DONE]"
+    assert last_chunk["choices"][0]["finish_reason"] == "stop"
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["id"] == last_chunk["id"]
+    assert usage_chunk["usage"] == whole["usage"]
+    assert usage_chunk["usage"]["completion_tokens"] == len(chunks)
+
+
+def test_openai_thinking_model_puts_thinking_in_reasoning(
+    fake: FakeOllama, client: httpx.Client
+) -> None:
+    fake.models = [*fake.models, "qwen3:0.6b"]
+    whole = client.post("/v1/chat/completions", json=chat_body("qwen3:0.6b")).json()
+    message = whole["choices"][0]["message"]
+    assert message["content"] == "2"
+    assert message["reasoning"].startswith("Let me think about: 1+1は？")
+    assert "reasoning_content" not in message and "thinking" not in message
+    native = client.post("/api/chat", json={**chat_body("qwen3:0.6b"), "stream": False}).json()
+    assert message["reasoning"] == native["message"]["thinking"]
+
+    body = chat_body("qwen3:0.6b", stream=True, stream_options={"include_usage": True})
+    *chunks, finish, usage_chunk, done = sse_events(client, "/v1/chat/completions", body)
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    thinking = [delta for delta in deltas if delta.get("reasoning")]
+    answer = [delta for delta in deltas if delta["content"]]
+    assert thinking and all(delta["content"] == "" for delta in thinking)
+    assert deltas.index(thinking[-1]) < deltas.index(answer[0])  # thinking comes first
+    assert "".join(delta["reasoning"] for delta in thinking) == message["reasoning"]
+    assert "".join(delta["content"] for delta in answer) == "2"
+    assert usage_chunk["usage"]["completion_tokens"] == len(thinking) + len(answer)
+    assert finish["choices"][0]["finish_reason"] == "stop" and done == "[DONE]"
+
+    refused = client.post("/v1/chat/completions", json=chat_body(reasoning_effort="high"))
+    assert_openai_error(refused, 400, "api_error", '"gemma3:1b" does not support thinking')
+
+
+def test_openai_unknown_model_and_bad_bodies(client: httpx.Client) -> None:
+    for stream in (False, True):
+        unknown = client.post("/v1/chat/completions", json=chat_body("nope:1b", stream=stream))
+        assert_openai_error(unknown, 404, "api_error", "model 'nope:1b' not found")
+
+    assert_openai_error(
+        client.post("/v1/chat/completions", json=chat_body("")),
+        400,
+        "api_error",
+        "model is required",
+    )
+    assert_openai_error(
+        client.post("/v1/chat/completions", json={"model": "gemma3:1b", "messages": []}),
+        400,
+        "invalid_request_error",
+        "[] is too short - 'messages'",
+    )
+    assert_openai_error(
+        client.post("/v1/chat/completions", json=chat_body(stream="yes")),
+        400,
+        "invalid_request_error",
+        "json: cannot unmarshal string into Go struct field "
+        "ChatCompletionRequest.stream of type bool",
+    )
+    for raw in (b"", b"{not json", b"[1, 2]"):
+        bad = client.post("/v1/chat/completions", content=raw)
+        assert bad.status_code == 400, raw
+        assert bad.json()["error"]["type"] == "invalid_request_error"
+        assert bad.json()["error"]["message"]
+
+
+def test_openai_fail_status_and_stream_knobs(fake: FakeOllama, client: httpx.Client) -> None:
+    assert client.post("/_fake/config", json={"fail_status": 500}).status_code == 200
+    message = "llama runner process has terminated: signal: killed"
+    for stream in (False, True):
+        failed = client.post("/v1/chat/completions", json=chat_body(stream=stream))
+        assert_openai_error(failed, 500, "api_error", message)
+    fake.fail_status = 503
+    busy = client.post("/v1/chat/completions", json=chat_body())
+    assert busy.status_code == 503 and busy.json()["error"]["type"] == "api_error"
+
+    fake.configure(fail_status=None, error_after_chunks=2)
+    prompt = "one two three four five six"
+    events = sse_events(client, "/v1/chat/completions", chat_body(content=prompt, stream=True))
+    assert len(events) == 3 and "[DONE]" not in events
+    assert events[-1] == {
+        "error": {"message": message, "type": "api_error", "param": None, "code": None}
+    }
+    assert all(event["choices"][0]["finish_reason"] is None for event in events[:2])
+
+    fake.configure(error_after_chunks=None, drop_after_chunks=1)
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        client.stream(
+            "POST", "/v1/chat/completions", json=chat_body(content=prompt, stream=True)
+        ) as reply,
+    ):
+        list(reply.iter_lines())
+    assert fake.stats()["openai_calls"] == 5
+
+
+async def test_openai_calls_count_toward_concurrency(fake: FakeOllama) -> None:
+    async with httpx.AsyncClient(base_url=fake.url, timeout=10) as http:
+        fake.configure(delay_s=0.3)
+        replies = await asyncio.gather(
+            http.post("/v1/chat/completions", json=chat_body()),
+            http.post("/api/chat", json={**chat_body(), "stream": False}),
+        )
+        assert replies[0].json()["choices"][0]["message"]["content"] == "2"
+        assert replies[1].json()["message"]["content"] == "2"
+        stats = (await http.get("/_fake/stats")).json()
+        assert stats["openai_calls"] == 1 and stats["chat_calls"] == 1
+        assert stats["concurrent_max"] == 2 and stats["in_flight"] == 0
+        await http.post("/_fake/reset")
+        assert (await http.get("/_fake/stats")).json()["openai_calls"] == 0
+
+
+def test_openai_legacy_completions(client: httpx.Client) -> None:
+    whole = client.post("/v1/completions", json={"model": "gemma3:1b", "prompt": "2*3"}).json()
+    assert whole["id"].startswith("cmpl-") and whole["object"] == "text_completion"
+    assert whole["choices"] == [{"text": "6", "index": 0, "finish_reason": "stop"}]
+    assert whole["usage"]["completion_tokens"] == 1
+
+    body = {"model": "gemma3:1b", "prompt": "a b c", "stream": True}
+    *chunks, finish, done = sse_events(client, "/v1/completions", body)
+    assert done == "[DONE]" and finish["choices"][0]["finish_reason"] == "stop"
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == "Echo from gemma3:1b: a b c"
+    with_usage = {**body, "stream_options": {"include_usage": True}}
+    *_, usage_chunk, done = sse_events(client, "/v1/completions", with_usage)
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == len(chunks)
+    unknown = client.post("/v1/completions", json={"model": "nope:1b", "prompt": "hi"})
+    assert_openai_error(unknown, 404, "api_error", "model 'nope:1b' not found")

@@ -1,0 +1,162 @@
+"""Fleet behaviour: leases, registration, dynamic tiers (real nats-server, Ollama stand-in)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+from nats.js.errors import BucketNotFoundError, NoKeysError
+
+from schemas.workers import WorkerRecord
+from services.runtime.errors import ConfigError
+from services.runtime.lease import LeaseLost
+from tests.fakes.ollama import FakeOllama
+from tests.harness import (
+    COORDINATOR,
+    Processes,
+    ServiceRunner,
+    clean_env,
+    eventually,
+    request,
+    workers_live,
+)
+from tests.servers import NatsServer
+
+MODEL = "qwen2.5:0.5b"
+
+
+async def route(nc: Client, **fields: Any) -> dict[str, Any]:
+    body, _ = await request(
+        nc, "coordinator.route", {"prompt": "1+1", "model": MODEL, "wait": True, **fields}
+    )
+    return body
+
+
+async def registry(nc: Client) -> dict[str, WorkerRecord]:
+    """The ``workers`` bucket as it is now (empty before anyone created it)."""
+    try:
+        kv = await nc.jetstream().key_value("workers")
+        keys = await kv.keys()
+    except (BucketNotFoundError, NoKeysError):
+        return {}
+    records = {}
+    for key in keys:
+        entry = await kv.get(key)
+        records[key] = msgspec.json.decode(entry.value or b"", type=WorkerRecord)
+    return records
+
+
+async def test_registration_carries_identity_capabilities_models_and_wake_address(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.worker(
+        nats_server.url,
+        ollama.url,
+        "mac",
+        worker_supports=["gpu_inference", "cpu_inference"],
+        worker_models=[MODEL],
+        wol_mac="aa:bb:cc:dd:ee:ff",
+    )
+    records = await eventually(lambda: registry(nc))
+
+    record = records["mac"]
+    assert record.host == "host-mac"
+    assert record.supports == ["gpu_inference", "cpu_inference"]
+    assert record.models == [MODEL]
+    assert record.wol_mac == "aa:bb:cc:dd:ee:ff"
+    assert record.pid == os.getpid()
+    assert record.instance_id and record.version
+
+
+async def test_every_model_gets_a_sanity_run_and_start_fails_when_none_passes(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    ollama.fail_status = 500
+    worker = runner.worker(nats_server.url, ollama.url, "cpu-1")
+
+    with pytest.raises(ConfigError, match="no model passed its sanity run"):
+        await asyncio.wait_for(worker, timeout=20)
+    assert ollama.stats()["generate_calls"] == 2
+    assert await registry(nc) == {}
+
+
+async def test_a_worker_whose_lease_is_taken_over_stops_pulling_and_exits(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    worker = runner.worker(nats_server.url, ollama.url, "cpu-1")
+    records = await eventually(lambda: registry(nc))
+    kv = await nc.jetstream().key_value("workers")
+
+    usurper = msgspec.structs.replace(records["cpu-1"], instance_id="other", host="elsewhere")
+    await kv.put("cpu-1", msgspec.json.encode(usurper))
+
+    with pytest.raises(LeaseLost, match="lease was taken over"):
+        await asyncio.wait_for(worker, timeout=10)
+    # It leaves the usurper's entry alone.
+    assert (await registry(nc))["cpu-1"].host == "elsewhere"
+
+
+async def test_a_killed_workers_lease_frees_itself_after_its_ttl(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, processes: Processes
+) -> None:
+    env = clean_env(
+        NATS_URL=nats_server.url,
+        OLLAMA_HOST=ollama.url,
+        WORKER_ID="cpu-1",
+        HEARTBEAT_INTERVAL_S="0.5",
+        WORKER_TTL_S="2",
+    )
+    first = processes.start([COORDINATOR, "worker"], env)
+    await eventually(lambda: registry(nc))
+    first.send_signal(signal.SIGKILL)
+    await asyncio.to_thread(first.wait)
+    assert "cpu-1" in await registry(nc)  # nobody said goodbye
+
+    second = processes.start([COORDINATOR, "worker"], env)
+
+    async def taken_over() -> bool:
+        records = await registry(nc)
+        return "cpu-1" in records and records["cpu-1"].pid == second.pid
+
+    await eventually(taken_over, timeout_s=15)
+    assert second.poll() is None
+
+
+async def test_the_same_model_moves_between_tiers_as_gpu_workers_come_and_go(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url, gpu_models=[MODEL])
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    assert (await route(nc))["queue"] == "tasks.cpu.cpu-1"
+
+    gpu = runner.worker(nats_server.url, ollama.url, "gpu-1", worker_supports=["gpu_inference"])
+    await workers_live(nc, 2)
+    assert (await route(nc))["queue"] == "tasks.gpu.gpu-1"
+
+    await runner.stop(gpu)
+    reply = await eventually(lambda: route(nc), timeout_s=10)
+    assert reply["queue"] == "tasks.cpu.cpu-1"
+    assert reply["status"] == "done"
+
+
+async def test_a_designated_worker_is_honoured_and_a_stopped_one_is_a_clear_error(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    gpu = runner.worker(nats_server.url, ollama.url, "gpu-1", worker_supports=["gpu_inference"])
+    await workers_live(nc, 2)
+    assert (await route(nc, worker="cpu-1"))["worker"] == "cpu-1"
+
+    await runner.stop(gpu)
+    body, headers = await request(
+        nc, "coordinator.route", {"prompt": "x", "model": MODEL, "worker": "gpu-1"}
+    )
+    assert headers["Nats-Service-Error-Code"] == "worker_unavailable"
+    assert "'gpu-1' is not live" in body["error"]["message"]
