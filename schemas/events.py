@@ -1,18 +1,22 @@
 """Facts in the ``EVENTS`` stream, as tagged unions per subject family.
 
 ``events.task.<task_id>.<kind>`` carries `TaskEvent`; ``events.worker.<worker_id>.<kind>``
-carries `WorkerEvent`. The tag (``type``) equals the subject's last token.
+carries `WorkerEvent`; there the tag (``type``) equals the subject's last token.
+``events.stats.<family>.<kind>`` carries `StatsEvent`, ``events.quality.<task_id>.scored``
+`QualityEvent` and ``events.bench.<run_id>.<kind>`` `BenchEvent`; their tags name the family
+too (``alias_set``, ``quality_scored``, ``bench_result``), since every tag must be unique
+across `AnyEvent`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final, assert_never
+from typing import Any, Final, Literal, assert_never
 
 import msgspec
 
 from schemas.base import Event, Wire
-from schemas.route import TaskType
-from schemas.subjects import task_event, worker_event
+from schemas.route import Source, TaskType
+from schemas.subjects import bench_event, quality_event, task_event, worker_event
 
 
 class Durations(Wire, frozen=True, kw_only=True):
@@ -39,6 +43,8 @@ class TaskSubmitted(Event, frozen=True, kw_only=True, tag="submitted"):
     domain: str | None = None
     options: dict[str, Any] | None = None
     requested_worker: str | None = None
+    requested_model: str | None = None
+    """The name the client used, when an alias mapped it to ``model``."""
     timeout_s: float
 
 
@@ -66,6 +72,13 @@ class TaskCompleted(Event, frozen=True, kw_only=True, tag="completed"):
     thinking: str | None = None
     durations: Durations
     tokens: Tokens = Tokens()
+    host: str | None = None
+    """The host that did the work (``TaskStarted`` has it too; here so a reply needs one event)."""
+    sources: list[Source] | None = None
+    """Web search: the results ``response`` rests on (``[n]`` in it cites ``sources[n-1]``)."""
+    note: str | None = None
+    """Done, but not as asked: for a web search, the summary failed (this says why) and
+    ``response`` is the plain list of results."""
 
 
 class TaskFailed(Event, frozen=True, kw_only=True, tag="failed"):
@@ -96,7 +109,26 @@ class WorkerStopped(Event, frozen=True, kw_only=True, tag="stopped"):
     reason: str
 
 
-WorkerEvent = WorkerRegistered | WorkerStopped
+class WorkerAsleep(Event, frozen=True, kw_only=True, tag="asleep"):
+    """The worker was idle long enough and is putting its machine to sleep."""
+
+    worker_id: str
+    instance_id: str
+    models: list[str]
+    wol_mac: str | None = None
+    idle_s: float
+
+
+class WakeRequested(Event, frozen=True, kw_only=True, tag="wake_requested"):
+    """The router sent a Wake-on-LAN packet because a task needs this sleeping worker."""
+
+    worker_id: str
+    mac: str
+    task_id: str
+    model: str
+
+
+WorkerEvent = WorkerRegistered | WorkerStopped | WorkerAsleep | WakeRequested
 
 
 class AliasSet(Event, frozen=True, kw_only=True, tag="alias_set"):
@@ -110,12 +142,101 @@ class AliasRemoved(Event, frozen=True, kw_only=True, tag="alias_removed"):
     alias: str
 
 
+class ExclusionAdded(Event, frozen=True, kw_only=True, tag="exclusion_added"):
+    """Leave out of every figure the outcomes of ``worker`` (of ``model`` only, when given)
+    that ended in [``since``, ``until``) (lesson 3). The tasks and their events stay."""
+
+    exclusion_id: str
+    worker: str
+    model: str | None = None
+    """Matches the model as requested or its canonical name; None: every model."""
+    since: float
+    until: float | None = None
+    """None: open-ended, until withdrawn."""
+    reason: str
+
+
+class ExclusionWithdrawn(Event, frozen=True, kw_only=True, tag="exclusion_withdrawn"):
+    exclusion_id: str
+    reason: str = ""
+
+
 # Operator decisions about the statistics, on ``events.stats.<family>.<kind>``.
-StatsEvent = AliasSet | AliasRemoved
+StatsEvent = AliasSet | AliasRemoved | ExclusionAdded | ExclusionWithdrawn
 
 ALIAS_EVENTS: Final = "events.stats.alias.>"
+EXCLUSION_EVENTS: Final = "events.stats.exclusion.>"
 
-AnyEvent = TaskEvent | WorkerEvent | StatsEvent
+QualityVerdict = Literal["scored", "malformed"]
+
+
+class QualityScored(Event, frozen=True, kw_only=True, tag="quality_scored"):
+    """The judge's verdict on one done task, on ``events.quality.<task_id>.scored``.
+
+    At most one per task: the judge publishes it expecting no earlier message on that subject.
+    A reply the judge's text gives no clear score for is recorded as ``malformed``, never
+    guessed.
+    """
+
+    task_id: str
+    attempt: int
+    """The attempt whose response was judged."""
+    verdict: QualityVerdict
+    score: float | None = None
+    """0 (useless) to 1 (excellent); None unless ``verdict`` is ``scored``."""
+    rubric: str
+    """The domain whose rubric the judge was given."""
+    judge_model: str
+    judge_host: str
+    text: str = ""
+    """The judge's reply (truncated), so a malformed verdict can be read later."""
+    reason: str = ""
+    """Why the verdict is malformed."""
+
+
+QualityEvent = QualityScored
+
+
+class BenchStarted(Event, frozen=True, kw_only=True, tag="bench_started"):
+    """A benchmark run began, on ``events.bench.<run_id>.started``."""
+
+    run_id: str
+    models: list[str]
+    workers: list[str]
+    prompts: int
+
+
+class BenchResult(Event, frozen=True, kw_only=True, tag="bench_result"):
+    """One prompt of a benchmark run on one worker, on ``events.bench.<run_id>.result``."""
+
+    run_id: str
+    index: int
+    """Position in the run; with ``run_id`` it names the result."""
+    model: str
+    worker: str
+    """The worker asked to run it; ``''`` when none could be."""
+    domain: str
+    prompt_key: str
+    """A digest of the prompt text: results are compared with earlier ones of the same key."""
+    prompt_name: str
+    ok: bool
+    task_id: str | None = None
+    total_ms: float | None = None
+    load_ms: float | None = None
+    error: str | None = None
+
+
+class BenchFinished(Event, frozen=True, kw_only=True, tag="bench_finished"):
+    run_id: str
+    ok: int
+    failed: int
+    slow: list[str] = msgspec.field(default_factory=list)
+    """``model (worker)`` that ran at twice their baseline or worse."""
+
+
+BenchEvent = BenchStarted | BenchResult | BenchFinished
+
+AnyEvent = TaskEvent | WorkerEvent | StatsEvent | QualityEvent | BenchEvent
 
 TERMINAL_KINDS = frozenset({"completed", "failed"})
 
@@ -134,11 +255,23 @@ def subject_for(event: AnyEvent) -> str:
     match event:
         case TaskSubmitted() | TaskRouted() | TaskStarted() | TaskCompleted() | TaskFailed():
             return task_event(event.task_id, kind_of(event))
-        case WorkerRegistered() | WorkerStopped():
+        case WorkerRegistered() | WorkerStopped() | WorkerAsleep() | WakeRequested():
             return worker_event(event.worker_id, kind_of(event))
         case AliasSet():
             return "events.stats.alias.set"
         case AliasRemoved():
             return "events.stats.alias.removed"
+        case ExclusionAdded():
+            return "events.stats.exclusion.added"
+        case ExclusionWithdrawn():
+            return "events.stats.exclusion.withdrawn"
+        case QualityScored():
+            return quality_event(event.task_id, "scored")
+        case BenchStarted():
+            return bench_event(event.run_id, "started")
+        case BenchResult():
+            return bench_event(event.run_id, "result")
+        case BenchFinished():
+            return bench_event(event.run_id, "finished")
         case _:
             assert_never(event)

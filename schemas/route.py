@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -10,6 +10,19 @@ from schemas.base import Wire
 
 TaskType = Literal["inference", "web_search"]
 TaskStatus = Literal["queued", "running", "done", "failed"]
+
+# A model name meaning "the model the serving worker is configured with". Only web-search
+# workers honour it (their OLLAMA_MODEL); `model` is required on the wire, so a web-search
+# request that does not care which model summarises says this instead.
+DEFAULT_MODEL: Final = "default"
+
+
+class Source(Wire, frozen=True, kw_only=True):
+    """One search result a web-search answer rests on; answers cite it by its position (1-based)."""
+
+    title: str
+    url: str
+    snippet: str = ""
 
 
 class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -36,6 +49,15 @@ class RouteReply(Wire, frozen=True, kw_only=True):
     response: str | None = None
     thinking: str | None = None
     error: str | None = None
+    model: str | None = None
+    """The model that did (or, for a web search whose summary failed, was asked to do) the work."""
+    host: str | None = None
+    """The host that did the work, when the worker reports it (web-search workers do)."""
+    sources: list[Source] | None = None
+    """Web search: the results the answer rests on, in the order the answer cites them."""
+    note: str | None = None
+    """Present when the task is done but not as asked. Web search: the summary failed (the note
+    says why) and ``response`` is the plain list of results instead of an answer."""
 
 
 class ErrorDetail(Wire, frozen=True, kw_only=True):
@@ -47,3 +69,17 @@ class ErrorBody(Wire, frozen=True, kw_only=True):
     """The body of every error reply: ``{"error": {"code": ..., "message": ...}}``."""
 
     error: ErrorDetail
+
+
+# Header that marks a message on a streaming reply subject as a chunk, with its sequence
+# number; the message without it is the final reply (a `RouteReply` or an error).
+CHUNK_HEADER: Final = "Coordinator-Chunk"
+
+
+class StreamChunk(Wire, frozen=True, kw_only=True):
+    """A piece of output, sent as the backend produces it (``stream: true``)."""
+
+    task_id: str
+    seq: int
+    response: str = ""
+    thinking: str = ""

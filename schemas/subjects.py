@@ -18,6 +18,9 @@ WEB_POOL = "web"
 TASKS_STREAM: Final = "TASKS"
 EVENTS_STREAM: Final = "EVENTS"
 WORKERS_BUCKET: Final = "workers"
+# Workers that put their machine to sleep, with how to wake them (no TTL: they stay until
+# they register again).
+ASLEEP_BUCKET: Final = "asleep"
 
 TASKS_SUBJECTS: Final = "tasks.>"
 EVENTS_SUBJECTS: Final = "events.>"
@@ -27,6 +30,18 @@ EVENTS_SUBJECTS: Final = "events.>"
 ROUTE: Final = "coordinator.route"
 TASK: Final = "coordinator.task"
 WORKERS: Final = "coordinator.workers"
+# Served by the stats service (see schemas/stats.py for the bodies).
+STATS: Final = "coordinator.stats"
+STATS_EXCLUDE: Final = "coordinator.stats.exclude"
+STATS_INCLUDE: Final = "coordinator.stats.include"
+STATS_EXCLUSIONS: Final = "coordinator.stats.exclusions"
+STATS_REBUILD: Final = "coordinator.stats.rebuild"
+STATS_BASELINES: Final = "coordinator.stats.baselines"
+ALIAS_ADD: Final = "coordinator.stats.alias.add"
+ALIAS_REMOVE: Final = "coordinator.stats.alias.remove"
+ALIASES: Final = "coordinator.stats.aliases"
+
+STATS_BUCKET: Final = "stats"
 
 SHARED_CPU_QUEUE: Final = "tasks.cpu.shared"
 WEB_QUEUE: Final = "tasks.web"
@@ -89,3 +104,13 @@ def task_events(task_id: str) -> str:
 def worker_event(worker_id: str, kind: str) -> str:
     """``events.worker.<worker_id>.<kind>``."""
     return f"events.worker.{check_token('worker id', worker_id)}.{check_token('event kind', kind)}"
+
+
+def quality_event(task_id: str, kind: str) -> str:
+    """``events.quality.<task_id>.<kind>``: one subject per task, so "scored once" is checkable."""
+    return f"events.quality.{check_token('task id', task_id)}.{check_token('event kind', kind)}"
+
+
+def bench_event(run_id: str, kind: str) -> str:
+    """``events.bench.<run_id>.<kind>``."""
+    return f"events.bench.{check_token('run id', run_id)}.{check_token('event kind', kind)}"

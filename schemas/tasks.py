@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from schemas.base import Wire
 from schemas.route import TaskType
+
+# Task kinds that one host serves (lesson 8): they are never re-dispatched to another worker,
+# not by the reaper, not by a worker taking over a dead one's message. Their failures surface.
+NON_RETRYABLE_TASK_TYPES: Final[frozenset[TaskType]] = frozenset({"web_search"})
+
+
+def is_retryable(task_type: TaskType) -> bool:
+    """May a task of this kind be run again (re-routed, re-run) after an attempt was lost?"""
+    return task_type not in NON_RETRYABLE_TASK_TYPES
 
 
 class TaskMessage(Wire, frozen=True, kw_only=True):
@@ -20,4 +29,11 @@ class TaskMessage(Wire, frozen=True, kw_only=True):
     options: dict[str, Any] | None = None
     timeout_s: float
     stream: bool = False
+    stream_subject: str | None = None
+    """Where the worker publishes `StreamChunk`s as they arrive (core NATS, not stored)."""
     submitted_at: float
+
+    @property
+    def retryable(self) -> bool:
+        """False for kinds that are never re-dispatched (`NON_RETRYABLE_TASK_TYPES`)."""
+        return is_retryable(self.task_type)

@@ -22,7 +22,7 @@ class WorkerRecord(Wire, frozen=True, kw_only=True):
     models: list[str]
     started_at: float
     heartbeat_at: float
-    state: Literal["idle", "busy", "stopping"] = "idle"
+    state: Literal["idle", "busy", "stopping", "asleep"] = "idle"
     current_task: str | None = None
     backend: str = "ollama"
     wol_mac: str | None = None

@@ -122,6 +122,9 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, *, ttl_s: float | Non
         info = await js.stream_info(f"KV_{bucket}")
         stream_config = info.config
         stream_config.max_age = ttl_s
+        if ttl_s and stream_config.duplicate_window and stream_config.duplicate_window > ttl_s:
+            # The server refuses a duplicate window longer than the max age (a shorter TTL).
+            stream_config.duplicate_window = ttl_s
         await js.update_stream(stream_config)
         return await js.key_value(bucket)
 

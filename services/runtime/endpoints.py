@@ -7,6 +7,7 @@ with ``wait``) would hold up every other. Each request is therefore handled in i
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 
 import msgspec
 import structlog
@@ -20,6 +21,10 @@ from services.runtime.lifecycle import TaskSet
 log = structlog.get_logger("endpoints")
 
 Handler = Callable[[bytes], Awaitable[bytes]]
+
+# The reply subject of the request being handled (each request runs in its own task), for a
+# handler that sends more than one message back, such as a streamed route.
+reply_subject: ContextVar[str] = ContextVar("reply_subject", default="")
 
 _encoder = msgspec.json.Encoder()
 
@@ -42,6 +47,8 @@ async def add_endpoint(
     """Serve ``subject`` with ``handler(body) -> reply``; a `CoordinatorError` is an error reply."""
 
     async def run(request: Request) -> None:
+        # nats.micro's Request does not expose the reply subject; its message does.
+        reply_subject.set(request._msg.reply or "")
         try:
             reply = await handler(request.data)
         except CoordinatorError as exc:

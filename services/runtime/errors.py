@@ -65,3 +65,38 @@ class BackendUnavailable(BackendError):
 
     code = "backend_unavailable"
     retryable = True
+
+
+class SearchError(CoordinatorError):
+    """The search engine (SearXNG) answered, but not with usable results."""
+
+    code = "search_error"
+
+
+class SearchTimeout(SearchError):
+    code = "search_timeout"
+    retryable = True
+
+
+class SearchUnavailable(SearchError):
+    """The search engine could not be reached, or said it is overloaded (HTTP 502/503/504)."""
+
+    code = "search_unavailable"
+    retryable = True
+
+
+class SearchRateLimited(SearchError):
+    """HTTP 429: SearXNG's limiter (or an upstream engine) refuses more queries for now."""
+
+    code = "search_rate_limited"
+    retryable = True
+
+
+class NoResults(SearchError):
+    code = "no_results"
+
+
+class WorkerLost(CoordinatorError):
+    """The worker running a task stopped (or died) before the task's outcome was recorded."""
+
+    code = "worker_lost"

@@ -65,6 +65,11 @@ class RouterSettings(Settings, frozen=True, kw_only=True):
     default_timeout_s: float = 300.0
     worker_ttl_s: float = 15.0
     gpu_models: list[str] = []
+    wol_broadcast: str = "255.255.255.255"
+    """Where Wake-on-LAN magic packets go (the sleeping machines' broadcast address)."""
+    wol_port: int = 9
+    wake_wait_s: float = 180.0
+    """How long a task waits for a woken worker to start it before it fails."""
 
 
 class WorkerSettings(Settings, frozen=True, kw_only=True):
@@ -77,8 +82,64 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
     openai_base_url: str = "http://localhost:8080/v1"
     openai_api_key: str | None = None
     wol_mac: str | None = None
+    shared_queue: bool = True
+    """CPU workers also pull ``tasks.cpu.shared``."""
     sanity_check: bool = True
     sanity_timeout_s: float = 120.0
+    heartbeat_interval_s: float = 5.0
+    worker_ttl_s: float = 15.0
+    ack_wait_s: float = 30.0
+    backend_connect_timeout_s: float = 5.0
+    stop_grace_s: float = 30.0
+    # Idle shutdown, for machines woken by Wake-on-LAN: off unless IDLE_SHUTDOWN_SEC is set.
+    idle_shutdown_sec: float | None = None
+    min_uptime_sec: float = 0.0
+    idle_check_interval_sec: float = 30.0
+    shutdown_command: str = "systemctl poweroff"
+
+    def check(self) -> None:
+        try:
+            check_worker_id(self.worker_id)
+        except InvalidId as exc:
+            raise ConfigError(f"WORKER_ID: {exc}") from None
+        if self.idle_shutdown_sec is not None and self.idle_shutdown_sec <= 0:
+            raise ConfigError("IDLE_SHUTDOWN_SEC must be a positive number of seconds")
+        if self.idle_check_interval_sec <= 0:
+            raise ConfigError("IDLE_CHECK_INTERVAL_SEC must be a positive number of seconds")
+        if self.wol_mac is not None and not _MAC.match(self.wol_mac):
+            raise ConfigError(f"WOL_MAC={self.wol_mac!r} is malformed: expected aa:bb:cc:dd:ee:ff")
+        if not {"cpu_inference", "gpu_inference"}.intersection(self.worker_supports):
+            raise ConfigError("WORKER_SUPPORTS: name at least one of cpu_inference, gpu_inference")
+        if self.heartbeat_interval_s <= 0 or self.worker_ttl_s <= self.heartbeat_interval_s:
+            raise ConfigError("WORKER_TTL_S must be longer than HEARTBEAT_INTERVAL_S (> 0)")
+
+
+def default_web_worker_id() -> str:
+    """``<host>-web``: a web-search worker and an inference worker on one host must not share
+    a registry entry (the second would be refused as a duplicate)."""
+    return f"{default_worker_id()[:124]}-web"
+
+
+class WebSearchSettings(Settings, frozen=True, kw_only=True):
+    """``coordinator web-search``: SearXNG for the results, a local model for the summary."""
+
+    searxng_url: str = "http://localhost:8080"
+    searxng_categories: list[str] = []
+    """Empty: SearXNG's default (``general``)."""
+    searxng_language: str | None = None
+    """Unset: SearXNG's default for the instance."""
+    searxng_results: int = 5
+    """How many of the top results the summary rests on (SearXNG's API has no count)."""
+    search_timeout_s: float = 15.0
+    summary_backend: Literal["ollama", "openai"] = "ollama"
+    ollama_host: str = "http://localhost:11434"
+    ollama_model: str = "qwen2.5:0.5b"
+    """The summary model, whichever backend serves it (``SUMMARY_BACKEND``)."""
+    openai_base_url: str = "http://localhost:8080/v1"
+    openai_api_key: str | None = None
+    summary_timeout_s: float = 60.0
+    worker_id: str = msgspec.field(default_factory=default_web_worker_id)
+    worker_host: str = msgspec.field(default_factory=socket.gethostname)
     heartbeat_interval_s: float = 5.0
     worker_ttl_s: float = 15.0
     ack_wait_s: float = 30.0
@@ -90,10 +151,20 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
             check_worker_id(self.worker_id)
         except InvalidId as exc:
             raise ConfigError(f"WORKER_ID: {exc}") from None
-        if self.wol_mac is not None and not _MAC.match(self.wol_mac):
-            raise ConfigError(f"WOL_MAC={self.wol_mac!r} is malformed: expected aa:bb:cc:dd:ee:ff")
-        if not {"cpu_inference", "gpu_inference"}.intersection(self.worker_supports):
-            raise ConfigError("WORKER_SUPPORTS: name at least one of cpu_inference, gpu_inference")
+        if not re.match(r"^https?://[^/\s]+", self.searxng_url):
+            raise ConfigError(
+                f"SEARXNG_URL={self.searxng_url!r} is malformed: expected http(s)://host[:port]"
+            )
+        if self.searxng_results < 1:
+            raise ConfigError(f"SEARXNG_RESULTS must be at least 1, got {self.searxng_results}")
+        for name in ("search_timeout_s", "summary_timeout_s", "ack_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name.upper()} must be a positive number of seconds")
+        if not self.ollama_model.strip():
+            raise ConfigError("OLLAMA_MODEL must name the summary model")
+        if self.ack_wait_s <= self.heartbeat_interval_s:
+            # A redelivered task's starter is judged alive by its heartbeat (takeover.py).
+            raise ConfigError("ACK_WAIT_S must be longer than HEARTBEAT_INTERVAL_S")
         if self.heartbeat_interval_s <= 0 or self.worker_ttl_s <= self.heartbeat_interval_s:
             raise ConfigError("WORKER_TTL_S must be longer than HEARTBEAT_INTERVAL_S (> 0)")
 

@@ -1,0 +1,187 @@
+"""The statistics: the ``stats`` KV bucket's values and the stats service's request bodies.
+
+Figures are kept per (model, domain, worker); ``model`` is always the canonical name (aliases
+applied, lesson 6) and outcomes covered by an active exclusion are left out (lesson 3).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas.base import Wire
+
+
+class RoutingFigure(Wire, frozen=True, kw_only=True):
+    """One value of the ``stats`` KV bucket: what routing needs about a model on a worker.
+
+    ``recent_*`` cover the key's last `RECENT_WINDOW` outcomes (done or failed, exclusions
+    left out), so an old bad spell does not weigh forever and a new one shows at once.
+    """
+
+    model: str
+    domain: str
+    worker: str
+    count: int
+    """Outcomes counted (done + failed)."""
+    failures: int
+    recent_count: int
+    recent_failure_rate: float
+    """0–1: failures among the last ``recent_count`` outcomes."""
+    typical_ms: float | None = None
+    """p50 of the total duration of done tasks; None when none is done."""
+    p95_ms: float | None = None
+    load_ms_p50: float | None = None
+    """p50 of the model load time of done tasks (cold starts, lesson 10)."""
+    tokens_per_s: float | None = None
+    quality_mean: float | None = None
+    quality_count: int = 0
+    last_at: float
+    """When the latest counted outcome ended."""
+    updated_at: float
+    """When this value was published."""
+
+
+# How many of a key's latest outcomes the ``recent_*`` figures cover.
+RECENT_WINDOW = 20
+
+routing_figure_decoder = msgspec.json.Decoder(RoutingFigure)
+
+
+class FigureView(Wire, frozen=True, kw_only=True):
+    """One row of ``coordinator stats``: every figure of a model, domain and worker.
+
+    Durations are milliseconds over done tasks; ``warm_p50_ms`` is the p50 of total minus
+    load time, so cold starts do not hide the generation speed.
+    """
+
+    model: str
+    domain: str
+    worker: str
+    count: int
+    failures: int
+    mean_ms: float | None = None
+    p50_ms: float | None = None
+    p95_ms: float | None = None
+    load_ms_mean: float | None = None
+    load_ms_p50: float | None = None
+    warm_p50_ms: float | None = None
+    tokens_per_s: float | None = None
+    first_token_ms_p50: float | None = None
+    """Only from tasks whose backend streamed (time to first token reported)."""
+    quality_mean: float | None = None
+    quality_count: int = 0
+    recent_count: int = 0
+    recent_failures: int = 0
+    last_at: float
+
+
+class StatsQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.stats``: every figure, or those of one model, worker or domain."""
+
+    model: str | None = None
+    worker: str | None = None
+    domain: str | None = None
+
+
+class StatsReply(Wire, frozen=True, kw_only=True):
+    figures: list[FigureView]
+    active_exclusions: int = 0
+
+
+class ExcludeRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.stats.exclude``: times are epoch seconds; ``until`` None is open-ended."""
+
+    worker: str
+    model: str | None = None
+    since: float
+    until: float | None = None
+    reason: str
+
+
+class ExclusionView(Wire, frozen=True, kw_only=True):
+    exclusion_id: str
+    worker: str
+    model: str | None = None
+    since: float
+    until: float | None = None
+    reason: str
+    added_at: float
+    withdrawn_at: float | None = None
+    withdraw_reason: str | None = None
+
+
+class IncludeRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.stats.include``: withdraw an exclusion."""
+
+    exclusion_id: str
+    reason: str = ""
+
+
+class ExclusionsQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.stats.exclusions``; ``withdrawn`` lists withdrawn ones too."""
+
+    withdrawn: bool = False
+
+
+class ExclusionsReply(Wire, frozen=True, kw_only=True):
+    exclusions: list[ExclusionView]
+
+
+class AliasRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.stats.alias.add``: ``alias`` names the model ``canonical`` from now on."""
+
+    alias: str
+    canonical: str
+
+
+class AliasRemoveRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    alias: str
+
+
+class AliasView(Wire, frozen=True, kw_only=True):
+    alias: str
+    canonical: str
+    """Where the alias leads in the end (chains followed)."""
+    set_at: float
+
+
+class AliasesReply(Wire, frozen=True, kw_only=True):
+    aliases: list[AliasView]
+
+
+class RebuildRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class RebuildReply(Wire, frozen=True, kw_only=True):
+    """What ``coordinator.stats.rebuild`` did."""
+
+    events: int
+    """Events replayed (applied to the fresh tables)."""
+    last_seq: int
+    """The ``EVENTS`` sequence the rebuilt tables reach."""
+    seconds: float
+    events_per_s: float
+    figures: int
+
+
+class BaselinesQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.stats.baselines``: earlier clean benchmark results of these models."""
+
+    models: list[str]
+    exclude_run: str | None = None
+
+
+class Baseline(Wire, frozen=True, kw_only=True):
+    """The median total duration of a prompt on a worker over earlier clean bench runs."""
+
+    model: str
+    """As asked for in the query (the figures behind it are the canonical name's)."""
+    worker: str
+    prompt_key: str
+    median_ms: float
+    runs: int
+
+
+class BaselinesReply(Wire, frozen=True, kw_only=True):
+    baselines: list[Baseline]

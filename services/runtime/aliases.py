@@ -1,0 +1,70 @@
+"""Following the alias events: the live map of model aliases (lesson 6).
+
+Aliases are events (``events.stats.alias.set|removed``); a service that needs the map (router:
+request names; worker: served names) replays them from the stream at start and keeps
+following. The map itself and its rules live in `services.stats.aliases` (pure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import suppress
+
+import msgspec
+import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+
+from schemas.events import ALIAS_EVENTS, AliasRemoved, AliasSet, any_event_decoder
+from schemas.subjects import EVENTS_STREAM
+from services.stats.aliases import resolve
+
+log = structlog.get_logger("aliases")
+
+
+class AliasFollower:
+    """The alias map as the event log has it, kept current; ``on_change`` runs after changes."""
+
+    def __init__(self, js: JetStreamContext, on_change: Callable[[], None] | None = None) -> None:
+        self.js = js
+        self.aliases: dict[str, str] = {}
+        self.on_change = on_change
+        self._sub: Subscription | None = None
+
+    def canonical(self, name: str) -> str:
+        """The statistics key for a model name (the name itself when it has no alias)."""
+        return resolve(self.aliases, name) if self.aliases else name
+
+    async def start(self, timeout_s: float = 10.0) -> None:
+        """Replay every alias event, then keep following; returns once caught up."""
+        self._sub = await self.js.subscribe(
+            ALIAS_EVENTS, stream=EVENTS_STREAM, ordered_consumer=True, cb=self._on_msg
+        )
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        sub = self._sub
+        while (await sub.consumer_info()).num_pending or sub.pending_msgs:
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError("alias events did not replay in time")
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            event = any_event_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            log.warning("ignoring a malformed alias event", subject=msg.subject)
+            return
+        if isinstance(event, AliasSet):
+            self.aliases[event.alias] = event.canonical
+        elif isinstance(event, AliasRemoved):
+            self.aliases.pop(event.alias, None)
+        else:
+            return
+        if self.on_change is not None:
+            self.on_change()
