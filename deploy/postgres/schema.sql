@@ -1,9 +1,13 @@
 -- Coordinator's read model in PostgreSQL.
 --
 -- Written only by the stats service, which projects the EVENTS stream into these tables; the
--- event log stays the source of truth, so every table here can be rebuilt by replaying it.
+-- event log stays the source of truth, so every table here can be rebuilt by replaying it
+-- (`coordinator stats rebuild` creates them afresh in the schema `stats_next`, replays, and
+-- moves them into place in one transaction). The list of tables a rebuild swaps is
+-- PROJECTION_TABLES in services/stats/projector.py: a table added here goes there too.
 -- The file is idempotent (IF NOT EXISTS everywhere): the stats service applies it at every
--- start, and an operator may apply it by hand with `psql -f`.
+-- start, and an operator may apply it by hand with `psql -f`. Names are unqualified: the
+-- file is applied to whichever schema is first on the search_path.
 --
 -- Timestamps are timestamptz (UTC). Durations are milliseconds as the backends reported them.
 
@@ -31,6 +35,7 @@ CREATE TABLE IF NOT EXISTS tasks (
     load_ms         double precision,
     prompt_eval_ms  double precision,
     eval_ms         double precision,
+    first_token_ms  double precision,
     prompt_tokens   integer,
     eval_tokens     integer,
     error_code      text,
@@ -45,27 +50,142 @@ CREATE TABLE IF NOT EXISTS tasks (
 CREATE INDEX IF NOT EXISTS tasks_status_created_idx ON tasks (status, created_at);
 CREATE INDEX IF NOT EXISTS tasks_model_created_idx ON tasks (model, created_at);
 
--- Figures per model, domain and worker: what routing uses to expect a task's duration and
--- what `coordinator stats` shows. Each attempt's outcome is added once, when it is first
--- seen (done: count + 1 and its durations and tokens; failed: count + 1 and failures + 1).
--- The sums cover done attempts only, so a mean is `sum / (count - failures)`; a duration or
--- token count the backend did not report adds 0.
-CREATE TABLE IF NOT EXISTS model_stats (
-    model            text NOT NULL,
-    -- The domain of the task's `submitted` event; '' when it had none.
-    domain           text NOT NULL DEFAULT '',
+-- Added after the first release; a rebuild fills it for old tasks.
+ALTER TABLE tasks ADD COLUMN IF NOT EXISTS first_token_ms double precision;
+
+-- Replaced by `outcomes` + `figures` (p50/p95 need the durations, not sums). Derived data:
+-- `coordinator stats rebuild` recomputes everything from the event log.
+DROP TABLE IF EXISTS model_stats;
+
+-- One row per attempt that ended (done or failed): the facts the figures are computed from.
+-- Written once, when the attempt first ends; `model` is re-keyed when an alias changes.
+CREATE TABLE IF NOT EXISTS outcomes (
+    task_id         text NOT NULL,
+    attempt         integer NOT NULL,
+    -- The canonical name (aliases applied); `raw_model` is the name the task asked for.
+    model           text NOT NULL,
+    raw_model       text NOT NULL,
+    -- The requested domain, else the heuristic's (services/stats/domains.py).
+    domain          text NOT NULL,
     -- '' when a failure named no worker.
+    worker          text NOT NULL,
+    ok              boolean NOT NULL,
+    total_ms        double precision,
+    load_ms         double precision,
+    eval_ms         double precision,
+    eval_tokens     integer,
+    first_token_ms  double precision,
+    ended_at        timestamptz NOT NULL,
+    stream_seq      bigint NOT NULL,
+    PRIMARY KEY (task_id, attempt)
+);
+
+CREATE INDEX IF NOT EXISTS outcomes_key_idx ON outcomes (model, domain, worker, ended_at);
+CREATE INDEX IF NOT EXISTS outcomes_worker_idx ON outcomes (worker, ended_at);
+CREATE INDEX IF NOT EXISTS outcomes_raw_model_idx ON outcomes (raw_model);
+
+-- Operator decisions (events.stats.exclusion.*): outcomes of `worker` (of `model` only, when
+-- set: the requested or the canonical name) that ended in [since, until) count in no figure
+-- while the exclusion is not withdrawn. The outcomes themselves stay.
+CREATE TABLE IF NOT EXISTS exclusions (
+    exclusion_id     text PRIMARY KEY,
     worker           text NOT NULL,
-    count            bigint NOT NULL DEFAULT 0,
-    failures         bigint NOT NULL DEFAULT 0,
-    total_ms_sum     double precision NOT NULL DEFAULT 0,
-    load_ms_sum      double precision NOT NULL DEFAULT 0,
-    eval_ms_sum      double precision NOT NULL DEFAULT 0,
-    eval_tokens_sum  bigint NOT NULL DEFAULT 0,
-    -- When the latest outcome counted here ended.
-    last_at          timestamptz NOT NULL,
+    model            text,
+    since            timestamptz NOT NULL,
+    until            timestamptz,
+    reason           text NOT NULL,
+    added_at         timestamptz NOT NULL,
+    withdrawn_at     timestamptz,
+    withdraw_reason  text,
+    stream_seq       bigint NOT NULL
+);
+
+-- events.stats.alias.*: `alias` names the model `canonical` (chains are followed).
+CREATE TABLE IF NOT EXISTS aliases (
+    alias       text PRIMARY KEY,
+    canonical   text NOT NULL,
+    set_at      timestamptz NOT NULL,
+    stream_seq  bigint NOT NULL
+);
+
+-- The judge's verdicts (events.quality.<task_id>.scored): at most one per task, the first.
+-- `score` is NULL when the verdict was malformed (recorded as such, never guessed).
+CREATE TABLE IF NOT EXISTS quality (
+    task_id      text PRIMARY KEY,
+    attempt      integer NOT NULL,
+    verdict      text NOT NULL CHECK (verdict IN ('scored', 'malformed')),
+    score        double precision CHECK (score BETWEEN 0 AND 1),
+    rubric       text NOT NULL,
+    judge_model  text NOT NULL,
+    judge_host   text NOT NULL,
+    text         text NOT NULL DEFAULT '',
+    reason       text NOT NULL DEFAULT '',
+    scored_at    timestamptz NOT NULL,
+    stream_seq   bigint NOT NULL
+);
+
+-- Figures per model (canonical), domain and worker, computed from `outcomes` (exclusions left
+-- out) and `quality`: what `coordinator stats` shows and what goes to the KV bucket `stats`
+-- for routing. Durations are milliseconds over done outcomes; `warm_p50_ms` leaves the model
+-- load time out (lesson 10); `recent_*` cover the key's last 20 outcomes. Recomputed for the
+-- keys each batch of events touches, so it is never out of step with `outcomes`.
+CREATE TABLE IF NOT EXISTS figures (
+    model               text NOT NULL,
+    domain              text NOT NULL,
+    worker              text NOT NULL,
+    count               bigint NOT NULL,
+    failures            bigint NOT NULL,
+    mean_ms             double precision,
+    p50_ms              double precision,
+    p95_ms              double precision,
+    load_ms_mean        double precision,
+    load_ms_p50         double precision,
+    warm_p50_ms         double precision,
+    tokens_per_s        double precision,
+    first_token_ms_p50  double precision,
+    quality_mean        double precision,
+    quality_count       bigint NOT NULL DEFAULT 0,
+    recent_count        bigint NOT NULL DEFAULT 0,
+    recent_failures     bigint NOT NULL DEFAULT 0,
+    last_at             timestamptz NOT NULL,
     PRIMARY KEY (model, domain, worker)
 );
+
+-- The nightly benchmark (events.bench.<run_id>.*): runs, and one row per prompt and worker.
+CREATE TABLE IF NOT EXISTS bench_runs (
+    run_id       text PRIMARY KEY,
+    started_at   timestamptz NOT NULL,
+    models       text[] NOT NULL DEFAULT '{}',
+    workers      text[] NOT NULL DEFAULT '{}',
+    prompts      integer NOT NULL DEFAULT 0,
+    finished_at  timestamptz,
+    ok           integer,
+    failed       integer,
+    slow         text[],
+    stream_seq   bigint NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS bench_results (
+    run_id       text NOT NULL,
+    result_index integer NOT NULL,
+    -- Canonical (re-keyed when an alias changes), and as the benchmark asked for it.
+    model        text NOT NULL,
+    raw_model    text NOT NULL,
+    worker       text NOT NULL,
+    domain       text NOT NULL,
+    prompt_key   text NOT NULL,
+    prompt_name  text NOT NULL,
+    ok           boolean NOT NULL,
+    task_id      text,
+    total_ms     double precision,
+    load_ms      double precision,
+    error        text,
+    at           timestamptz NOT NULL,
+    stream_seq   bigint NOT NULL,
+    PRIMARY KEY (run_id, result_index)
+);
+
+CREATE INDEX IF NOT EXISTS bench_results_key_idx ON bench_results (model, worker, prompt_key);
 
 -- Which events each projection has applied. The row is written in the same transaction as
 -- the projection's changes and the pair is the primary key, so a redelivered event (same

@@ -1,7 +1,8 @@
 """The task projection as pure functions: a task's state from its events, and figure deltas.
 
-No I/O here: `store.py` loads a row, calls `evolve`, writes the result and adds
-`figures_delta` to ``model_stats``, all in one transaction.
+No I/O here: `store.py` loads a row, calls `evolve`, writes the result and records the
+attempt's `outcome_of` in ``outcomes`` (from which the figures are computed), all in one
+transaction.
 
 Rules `evolve` follows, so that redelivery, duplicates and retries cannot corrupt a row:
 
@@ -38,6 +39,7 @@ from schemas.events import (
 )
 from schemas.queries import TaskView
 from schemas.route import TaskStatus
+from services.stats.domains import classify_domain
 
 TERMINAL_STATUSES: frozenset[TaskStatus] = frozenset({"done", "failed"})
 
@@ -65,6 +67,7 @@ class TaskState:
     load_ms: float | None = None
     prompt_eval_ms: float | None = None
     eval_ms: float | None = None
+    first_token_ms: float | None = None
     prompt_tokens: int | None = None
     eval_tokens: int | None = None
     error_code: str | None = None
@@ -80,22 +83,24 @@ class TaskState:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FigureDelta:
-    """What one attempt's outcome adds to its ``model_stats`` row."""
+class Outcome:
+    """How one attempt of a task ended: one row of ``outcomes``, the facts figures come from."""
 
+    task_id: str
+    attempt: int
     model: str
+    """As the task asked for it; the store keys it by its canonical name."""
     domain: str
-    """The task's domain, ``''`` when it had none (a primary-key column cannot be NULL)."""
+    """The requested domain, else `classify_domain` of the prompt."""
     worker: str
     """``''`` when a failure named no worker."""
-    count: int
-    failures: int
-    total_ms: float
-    load_ms: float
-    eval_ms: float
-    eval_tokens: int
-    at: float
-    """When the outcome happened (epoch seconds)."""
+    ok: bool
+    total_ms: float | None
+    load_ms: float | None
+    eval_ms: float | None
+    eval_tokens: int | None
+    first_token_ms: float | None
+    ended_at: float
 
 
 def evolve(state: TaskState | None, event: TaskEvent) -> TaskState:
@@ -120,31 +125,31 @@ def evolve(state: TaskState | None, event: TaskEvent) -> TaskState:
             assert_never(event)
 
 
-def figures_delta(before: TaskState | None, after: TaskState | None) -> FigureDelta | None:
-    """The ``model_stats`` increment for the change ``before`` → ``after``, or None.
+def outcome_of(before: TaskState | None, after: TaskState | None) -> Outcome | None:
+    """The attempt outcome the change ``before`` → ``after`` records, or None.
 
-    An attempt counts once, when it first becomes terminal: done adds one to ``count`` plus
-    its durations and tokens; failed adds one to ``count`` and to ``failures``. A task whose
-    model is still unknown (no ``submitted`` and no ``completed`` seen) is not counted, since
-    the model is the figures' key.
+    An attempt has an outcome once, when it first becomes terminal (done or failed); a task
+    whose model is still unknown (no ``submitted`` and no ``completed`` seen) has none, since
+    the model is the figures' key. Durations are kept for failures too (the time they
+    cost); figures take durations from done outcomes only.
     """
     if after is None or not after.terminal or not after.model:
         return None
     if before is not None and before.terminal and before.attempt == after.attempt:
         return None
-    done = after.status == "done"
-    return FigureDelta(
+    return Outcome(
+        task_id=after.task_id,
+        attempt=after.attempt,
         model=after.model,
-        domain=after.domain or "",
+        domain=after.domain or classify_domain(after.prompt),
         worker=after.worker or "",
-        count=1,
-        failures=0 if done else 1,
-        # Sums cover done attempts only, so their means are not dragged down by failures.
-        total_ms=(after.total_ms or 0.0) if done else 0.0,
-        load_ms=(after.load_ms or 0.0) if done else 0.0,
-        eval_ms=(after.eval_ms or 0.0) if done else 0.0,
-        eval_tokens=(after.eval_tokens or 0) if done else 0,
-        at=after.ended_at if after.ended_at is not None else after.created_at,
+        ok=after.status == "done",
+        total_ms=after.total_ms,
+        load_ms=after.load_ms,
+        eval_ms=after.eval_ms,
+        eval_tokens=after.eval_tokens,
+        first_token_ms=after.first_token_ms,
+        ended_at=after.ended_at if after.ended_at is not None else after.created_at,
     )
 
 
@@ -156,6 +161,7 @@ def to_view(state: TaskState) -> TaskView:
             load_ms=state.load_ms,
             prompt_eval_ms=state.prompt_eval_ms,
             eval_ms=state.eval_ms,
+            first_token_ms=state.first_token_ms,
         )
         if state.total_ms is not None
         else None
@@ -213,6 +219,7 @@ def _next_attempt(state: TaskState, attempt: int) -> TaskState:
         load_ms=None,
         prompt_eval_ms=None,
         eval_ms=None,
+        first_token_ms=None,
         prompt_tokens=None,
         eval_tokens=None,
         error_code=None,
@@ -296,6 +303,7 @@ def _completed(state: TaskState | None, event: TaskCompleted) -> TaskState:
         load_ms=event.durations.load_ms,
         prompt_eval_ms=event.durations.prompt_eval_ms,
         eval_ms=event.durations.eval_ms,
+        first_token_ms=event.durations.first_token_ms,
         prompt_tokens=event.tokens.prompt,
         eval_tokens=event.tokens.eval,
         error_code=None,

@@ -1,8 +1,9 @@
 """The stats read model in PostgreSQL (asyncpg): apply events once, answer queries.
 
-Every event is applied in one transaction together with its tracking row
+Events are applied in batches, each in one transaction together with its tracking rows
 ``('tasks', stream_seq)``; the pair is a primary key, so an event delivered twice is recognised
-and changes nothing. The state logic itself is the pure `projection.evolve`.
+and changes nothing. The writes themselves are `projector.project`, shared with the rebuild;
+the state logic is the pure `projection.evolve`.
 
 Database failures leave this module as the project's own errors: `Unavailable` when retrying
 may help (connection lost, server restarting, timeouts, any other server error), `Unstorable`
@@ -13,80 +14,62 @@ violation), so the caller can retry the one and set the other aside.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
-import msgspec
 from asyncpg import Record
-from asyncpg.pool import PoolConnectionProxy
 
-from schemas.events import (
-    AliasRemoved,
-    AliasSet,
-    AnyEvent,
-    TaskEvent,
-    WorkerRegistered,
-    WorkerStopped,
-)
+from schemas.events import AnyEvent
 from schemas.queries import TaskView
+from schemas.stats import AliasView, ExclusionView, FigureView, StatsQuery
 from services.runtime.errors import CoordinatorError, Unavailable
-from services.stats.projection import FigureDelta, TaskState, evolve, figures_delta, to_view
+from services.stats.aliases import resolve
+from services.stats.projection import TaskState, to_view
+from services.stats.projector import (
+    FIGURE_COLUMNS,
+    NOT_EXCLUDED,
+    PROJECTION_LOCK,
+    SELECT_TASK,
+    TASK_COLUMNS,
+    TASKS_PROJECTION,
+    FigureKey,
+    Projected,
+    load_aliases,
+    project,
+    state_from_row,
+)
 
 SCHEMA_PATH: Final = Path(__file__).resolve().parents[2] / "deploy/postgres/schema.sql"
 
-# The name this projection's rows carry in ``projection_tracking``.
-TASKS_PROJECTION: Final = "tasks"
-
-# Advisory-lock namespaces, so concurrent writers (two stats instances, a schema apply at
-# start) serialise instead of racing on rows that do not exist yet.
+# Two services starting together must not race on CREATE TABLE IF NOT EXISTS.
 _SCHEMA_LOCK: Final = 7_301_001
-_TASK_LOCK_SPACE: Final = 7_301
 
-_TASK_COLUMNS: Final = tuple(field.name for field in dataclasses.fields(TaskState))
-_TIMESTAMP_COLUMNS: Final = frozenset({"created_at", "started_at", "ended_at"})
-
-_SELECT_TASK: Final = f"SELECT {', '.join(_TASK_COLUMNS)} FROM tasks WHERE task_id = $1"
-_UPSERT_TASK: Final = (
-    f"INSERT INTO tasks ({', '.join(_TASK_COLUMNS)}, updated_seq) "
-    f"VALUES ({', '.join(f'${i}' for i in range(1, len(_TASK_COLUMNS) + 2))}) "
-    "ON CONFLICT (task_id) DO UPDATE SET "
-    + ", ".join(f"{c} = EXCLUDED.{c}" for c in (*_TASK_COLUMNS[1:], "updated_seq"))
+_SELECT_FIGURES: Final = f"SELECT {', '.join(FIGURE_COLUMNS)} FROM figures"
+_SELECT_EXCLUSIONS: Final = (
+    "SELECT exclusion_id, worker, model, since, until, reason, added_at, withdrawn_at, "
+    "withdraw_reason FROM exclusions"
 )
-_ADD_FIGURES: Final = """
-INSERT INTO model_stats AS s (model, domain, worker, count, failures, total_ms_sum,
-                              load_ms_sum, eval_ms_sum, eval_tokens_sum, last_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-ON CONFLICT (model, domain, worker) DO UPDATE SET
-    count = s.count + EXCLUDED.count,
-    failures = s.failures + EXCLUDED.failures,
-    total_ms_sum = s.total_ms_sum + EXCLUDED.total_ms_sum,
-    load_ms_sum = s.load_ms_sum + EXCLUDED.load_ms_sum,
-    eval_ms_sum = s.eval_ms_sum + EXCLUDED.eval_ms_sum,
-    eval_tokens_sum = s.eval_tokens_sum + EXCLUDED.eval_tokens_sum,
-    last_at = GREATEST(s.last_at, EXCLUDED.last_at)
+_BASELINES: Final = f"""
+SELECT b.worker, b.prompt_key,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY b.total_ms) AS median_ms,
+       count(DISTINCT b.run_id) AS runs
+FROM bench_results b
+WHERE b.model = $1 AND b.ok AND b.total_ms IS NOT NULL
+  AND ($2::text IS NULL OR b.run_id <> $2)
+  AND {NOT_EXCLUDED.format(row="b", at="at")}
+GROUP BY b.worker, b.prompt_key
+ORDER BY b.worker, b.prompt_key
 """
-_WORKER_REGISTERED: Final = """
-INSERT INTO workers_seen (worker_id, host, instance_id, models, supports, version,
-                          registered_at, stopped_at, stop_reason, updated_seq)
-VALUES ($1, $2, $3, $4, $5, $6, $7, NULL, NULL, $8)
-ON CONFLICT (worker_id) DO UPDATE SET
-    host = EXCLUDED.host, instance_id = EXCLUDED.instance_id, models = EXCLUDED.models,
-    supports = EXCLUDED.supports, version = EXCLUDED.version,
-    registered_at = EXCLUDED.registered_at, stopped_at = NULL, stop_reason = NULL,
-    updated_seq = EXCLUDED.updated_seq
-"""
-# Only the instance that registered may mark the worker stopped: a late `stopped` of an old
-# instance must not hide the one running now.
-_WORKER_STOPPED: Final = """
-UPDATE workers_seen SET stopped_at = $3, stop_reason = $4, updated_seq = $5
-WHERE worker_id = $1 AND instance_id = $2
-"""
+_UNSCORED: Final = (
+    f"SELECT {', '.join(TASK_COLUMNS)} FROM tasks t "
+    "WHERE t.status = 'done' AND t.response IS NOT NULL "
+    "AND NOT EXISTS (SELECT 1 FROM quality q WHERE q.task_id = t.task_id) "
+    "ORDER BY t.ended_at, t.task_id LIMIT $1"
+)
 
 
 class Unstorable(CoordinatorError):
@@ -95,26 +78,12 @@ class Unstorable(CoordinatorError):
     code = "unstorable"
 
 
-class ModelFigures(msgspec.Struct, frozen=True, kw_only=True):
-    """One ``model_stats`` row: the outcomes of one model, domain and worker."""
-
-    model: str
-    domain: str
-    worker: str
-    count: int
-    failures: int
-    total_ms_sum: float
-    load_ms_sum: float
-    eval_ms_sum: float
-    eval_tokens_sum: int
-    last_at: float
-
-
 class Store:
     """The stats read model: a pool of connections and the projection's writes and reads."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, dsn: str = "") -> None:
         self._pool = pool
+        self.dsn = dsn
 
     @classmethod
     async def connect(
@@ -129,7 +98,7 @@ class Store:
             raise Unavailable(
                 f"cannot reach PostgreSQL at {redact_dsn(dsn)}: {exc or type(exc).__name__}"
             ) from exc
-        return cls(pool)
+        return cls(pool, dsn)
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Close the pool, waiting up to ``timeout_s`` for connections in use."""
@@ -141,11 +110,18 @@ class Store:
     async def apply_schema(self, path: Path = SCHEMA_PATH) -> None:
         """Create the tables if they do not exist (``deploy/postgres/schema.sql``)."""
         sql = await asyncio.to_thread(path.read_text, encoding="utf-8")
-        with _database_errors():
+        with database_errors():
             async with self._pool.acquire() as conn, conn.transaction():
-                # Two services starting together must not race on CREATE TABLE IF NOT EXISTS.
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
                 await conn.execute(sql)
+
+    async def current_schema(self) -> str:
+        """The schema the read model's tables live in (first on the search_path)."""
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                return str(await conn.fetchval("SELECT current_schema()"))
+
+    # -- writes --------------------------------------------------------------------------------
 
     async def apply(self, stream_seq: int, event: AnyEvent) -> bool:
         """Apply one event from stream position ``stream_seq``, exactly once.
@@ -153,103 +129,146 @@ class Store:
         Returns False, changing nothing, when this position was applied before (a
         redelivery). Raises `Unavailable` (retry later) or `Unstorable` (never storable).
         """
-        with _database_errors(writing=True):
-            async with self._pool.acquire() as conn, conn.transaction():
-                first_time = await conn.fetchval(
-                    "INSERT INTO projection_tracking (projection, stream_seq) VALUES ($1, $2) "
-                    "ON CONFLICT DO NOTHING RETURNING true",
-                    TASKS_PROJECTION,
-                    stream_seq,
-                )
-                if not first_time:
-                    return False
-                match event:
-                    case WorkerRegistered():
-                        await conn.execute(
-                            _WORKER_REGISTERED,
-                            event.worker_id,
-                            _clean(event.host),
-                            event.instance_id,
-                            [_clean(m) for m in event.models],
-                            [_clean(s) for s in event.supports],
-                            _clean(event.version),
-                            _timestamp(event.at),
-                            stream_seq,
-                        )
-                    case WorkerStopped():
-                        await conn.execute(
-                            _WORKER_STOPPED,
-                            event.worker_id,
-                            event.instance_id,
-                            _timestamp(event.at),
-                            _clean(event.reason),
-                            stream_seq,
-                        )
-                    case AliasSet() | AliasRemoved():
-                        pass  # applied to statistics keys on rebuild; tracked like any event
-                    case _:
-                        await self._apply_task_event(conn, stream_seq, event)
-                return True
+        return (await self.apply_batch([(stream_seq, event)])).applied == 1
 
-    async def _apply_task_event(
-        self, conn: PoolConnectionProxy[Record], stream_seq: int, event: TaskEvent
-    ) -> None:
-        # The row may not exist yet, and FOR UPDATE cannot lock a missing row.
-        await conn.execute(
-            "SELECT pg_advisory_xact_lock($1, hashtext($2))", _TASK_LOCK_SPACE, event.task_id
-        )
-        row = await conn.fetchrow(_SELECT_TASK + " FOR UPDATE", event.task_id)
-        before = _state_from_row(row) if row is not None else None
-        after = evolve(before, event)
-        if after is before:
-            return
-        await conn.execute(_UPSERT_TASK, *_row_from_state(after), stream_seq)
-        delta = figures_delta(before, after)
-        if delta is not None:
-            await conn.execute(_ADD_FIGURES, *_figure_values(delta))
+    async def apply_batch(self, items: Sequence[tuple[int, AnyEvent]]) -> Projected:
+        """Apply events (stream position, event) in order in one transaction, each once.
+
+        All or nothing: `Unavailable` or `Unstorable` leave the tables as they were, so the
+        caller may retry, or apply the events one by one to find the one that cannot be stored.
+        """
+        with database_errors(writing=True):
+            async with self._pool.acquire() as conn, conn.transaction():
+                # Shared: live batches run side by side; a rebuild's swap waits for them and
+                # holds them off (rebuild.py).
+                await conn.execute("SELECT pg_advisory_xact_lock_shared($1)", PROJECTION_LOCK)
+                return await project(conn, items)
+
+    # -- reads ---------------------------------------------------------------------------------
 
     async def get_task(self, task_id: str) -> TaskView | None:
         """The task as projected so far, or None if no event of it has been applied."""
-        with _database_errors():
-            async with self._pool.acquire() as conn:
-                row = await conn.fetchrow(_SELECT_TASK, task_id)
-        return to_view(_state_from_row(row)) if row is not None else None
+        state = await self.task_state(task_id)
+        return to_view(state) if state is not None else None
 
     async def task_state(self, task_id: str) -> TaskState | None:
         """The task's full row (prompt, host, attempt, start time included), or None."""
-        with _database_errors():
+        with database_errors():
             async with self._pool.acquire() as conn:
-                row = await conn.fetchrow(_SELECT_TASK, task_id)
-        return _state_from_row(row) if row is not None else None
+                row = await conn.fetchrow(SELECT_TASK, task_id)
+        return state_from_row(row) if row is not None else None
 
-    async def figures(self) -> list[ModelFigures]:
-        """Every ``model_stats`` row, ordered by model, domain and worker."""
-        with _database_errors():
+    async def figures(self, query: StatsQuery | None = None) -> list[FigureView]:
+        """Figure rows, ordered by model, domain and worker; ``query`` narrows them."""
+        conditions, args = [], []
+        for name in ("model", "worker", "domain"):
+            value = getattr(query, name, None) if query is not None else None
+            if value is not None:
+                args.append(value)
+                conditions.append(f"{name} = ${len(args)}")
+        where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
+        with database_errors():
             async with self._pool.acquire() as conn:
                 rows = await conn.fetch(
-                    "SELECT model, domain, worker, count, failures, total_ms_sum, load_ms_sum, "
-                    "eval_ms_sum, eval_tokens_sum, last_at FROM model_stats "
-                    "ORDER BY model, domain, worker"
+                    f"{_SELECT_FIGURES}{where} ORDER BY model, domain, worker", *args
                 )
-        return [
-            ModelFigures(
-                model=r["model"],
-                domain=r["domain"],
-                worker=r["worker"],
-                count=r["count"],
-                failures=r["failures"],
-                total_ms_sum=r["total_ms_sum"],
-                load_ms_sum=r["load_ms_sum"],
-                eval_ms_sum=r["eval_ms_sum"],
-                eval_tokens_sum=r["eval_tokens_sum"],
-                last_at=r["last_at"].timestamp(),
-            )
-            for r in rows
-        ]
+        return [_figure(r) for r in rows]
+
+    async def figures_for(self, keys: Iterable[FigureKey]) -> list[FigureView]:
+        """The figure rows of ``keys`` that exist (a key whose outcomes are all excluded has
+        none)."""
+        wanted = sorted(set(keys))
+        if not wanted:
+            return []
+        models, domains, workers = (list(c) for c in zip(*wanted, strict=True))
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                rows = await conn.fetch(
+                    f"{_SELECT_FIGURES} WHERE (model, domain, worker) IN "
+                    "(SELECT * FROM unnest($1::text[], $2::text[], $3::text[])) "
+                    "ORDER BY model, domain, worker",
+                    models,
+                    domains,
+                    workers,
+                )
+        return [_figure(r) for r in rows]
+
+    async def exclusions(self, *, withdrawn: bool = False) -> list[ExclusionView]:
+        """Exclusions in the order they were added; active ones only unless ``withdrawn``."""
+        where = "" if withdrawn else " WHERE withdrawn_at IS NULL"
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                rows = await conn.fetch(f"{_SELECT_EXCLUSIONS}{where} ORDER BY added_at, 1")
+        return [_exclusion(r) for r in rows]
+
+    async def exclusion(self, exclusion_id: str) -> ExclusionView | None:
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                row = await conn.fetchrow(
+                    f"{_SELECT_EXCLUSIONS} WHERE exclusion_id = $1", exclusion_id
+                )
+        return _exclusion(row) if row is not None else None
+
+    async def alias_map(self) -> dict[str, str]:
+        """Every alias and the name it was set to (chains not followed)."""
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                return await load_aliases(conn)
+
+    async def aliases(self) -> list[AliasView]:
+        """Every alias with the canonical name it leads to in the end."""
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                rows = await conn.fetch("SELECT alias, canonical, set_at FROM aliases")
+        mapping = {r["alias"]: r["canonical"] for r in rows}
+        return sorted(
+            (
+                AliasView(
+                    alias=r["alias"],
+                    canonical=resolve(mapping, r["alias"]),
+                    set_at=r["set_at"].timestamp(),
+                )
+                for r in rows
+            ),
+            key=lambda view: view.alias,
+        )
+
+    async def baselines(
+        self, model: str, *, exclude_run: str | None = None
+    ) -> list[tuple[str, str, float, int]]:
+        """``(worker, prompt_key, median_ms, runs)`` of a model's earlier clean bench results.
+
+        ``model`` may be an alias; results are keyed by the canonical name. Results an active
+        exclusion covers, failures and the run ``exclude_run`` are left out.
+        """
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                canonical = resolve(await load_aliases(conn), model)
+                rows = await conn.fetch(_BASELINES, canonical, exclude_run)
+        return [(r["worker"], r["prompt_key"], r["median_ms"], r["runs"]) for r in rows]
+
+    async def unscored_tasks(self, limit: int) -> list[TaskState]:
+        """Done tasks the judge has not given a verdict on, oldest first."""
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                rows = await conn.fetch(_UNSCORED, limit)
+        return [state_from_row(r) for r in rows]
+
+    async def predates_outcomes(self) -> bool:
+        """True when tasks have ended but no outcome is recorded: tables projected by a version
+        before ``outcomes`` existed, whose history only a rebuild can count."""
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                return bool(
+                    await conn.fetchval(
+                        "SELECT EXISTS (SELECT 1 FROM tasks WHERE status IN ('done', 'failed')) "
+                        "AND NOT EXISTS (SELECT 1 FROM outcomes)"
+                    )
+                )
 
     async def last_seq(self) -> int:
         """The highest stream sequence this projection has applied (0 if none)."""
-        with _database_errors():
+        with database_errors():
             async with self._pool.acquire() as conn:
                 value = await conn.fetchval(
                     "SELECT coalesce(max(stream_seq), 0) FROM projection_tracking "
@@ -273,7 +292,7 @@ def redact_dsn(dsn: str) -> str:
 
 
 @contextmanager
-def _database_errors(*, writing: bool = False) -> Iterator[None]:
+def database_errors(*, writing: bool = False) -> Iterator[None]:
     """Map asyncpg's and the socket's exceptions to `Unavailable` or `Unstorable`."""
     try:
         yield
@@ -286,47 +305,21 @@ def _database_errors(*, writing: bool = False) -> Iterator[None]:
         raise Unavailable(f"PostgreSQL unreachable: {exc or type(exc).__name__}") from exc
 
 
-def _clean(value: str) -> str:
-    """PostgreSQL text cannot hold NUL; a backend's output sometimes does."""
-    return value.replace("\x00", "\ufffd")
+def _figure(row: Record) -> FigureView:
+    values: dict[str, Any] = dict(row)
+    values["last_at"] = row["last_at"].timestamp()
+    return FigureView(**values)
 
 
-def _timestamp(at: float) -> datetime:
-    return datetime.fromtimestamp(at, tz=UTC)
-
-
-def _row_from_state(state: TaskState) -> list[Any]:
-    values: list[Any] = []
-    for name in _TASK_COLUMNS:
-        value = getattr(state, name)
-        if name in _TIMESTAMP_COLUMNS and value is not None:
-            value = _timestamp(value)
-        elif isinstance(value, str):
-            value = _clean(value)
-        values.append(value)
-    return values
-
-
-def _state_from_row(row: Record) -> TaskState:
-    fields: dict[str, Any] = {}
-    for name in _TASK_COLUMNS:
-        value = row[name]
-        if name in _TIMESTAMP_COLUMNS and value is not None:
-            value = value.timestamp()
-        fields[name] = value
-    return TaskState(**fields)
-
-
-def _figure_values(delta: FigureDelta) -> tuple[Any, ...]:
-    return (
-        _clean(delta.model),
-        _clean(delta.domain),
-        _clean(delta.worker),
-        delta.count,
-        delta.failures,
-        delta.total_ms,
-        delta.load_ms,
-        delta.eval_ms,
-        delta.eval_tokens,
-        _timestamp(delta.at),
+def _exclusion(row: Record) -> ExclusionView:
+    return ExclusionView(
+        exclusion_id=row["exclusion_id"],
+        worker=row["worker"],
+        model=row["model"],
+        since=row["since"].timestamp(),
+        until=row["until"].timestamp() if row["until"] is not None else None,
+        reason=row["reason"],
+        added_at=row["added_at"].timestamp(),
+        withdrawn_at=row["withdrawn_at"].timestamp() if row["withdrawn_at"] is not None else None,
+        withdraw_reason=row["withdraw_reason"],
     )

@@ -32,6 +32,6 @@ def test_a_config_error_exits_2_naming_the_variable(
 ) -> None:
     monkeypatch.delenv("PG_DSN", raising=False)
     with pytest.raises(SystemExit) as exit_info:
-        main(["stats"])
+        main(["stats", "serve"])
     assert exit_info.value.code == 2
     assert "error config: PG_DSN is required" in capsys.readouterr().err

@@ -1,8 +1,10 @@
-"""The task projection's pure rules: evolve, figure deltas and the query view."""
+"""The task projection's pure rules: evolve, attempt outcomes and the query view."""
 
 from __future__ import annotations
 
 from functools import reduce
+
+import msgspec
 
 from schemas.events import (
     Durations,
@@ -14,7 +16,7 @@ from schemas.events import (
     TaskSubmitted,
     Tokens,
 )
-from services.stats.projection import TaskState, evolve, figures_delta, to_view
+from services.stats.projection import Outcome, TaskState, evolve, outcome_of, to_view
 
 TASK = "t1"
 
@@ -218,70 +220,87 @@ def test_submitted_after_the_outcome_does_not_reopen_the_task() -> None:
     assert (state.status, state.domain, state.prompt) == ("done", "code", "hello")
 
 
-# -- figures_delta ---------------------------------------------------------------------------
+# -- outcome_of ------------------------------------------------------------------------------
 
 
-def test_a_task_becoming_done_adds_one_with_its_durations_and_tokens() -> None:
+def test_a_task_becoming_done_records_a_done_outcome_with_its_durations_and_tokens() -> None:
     before = replay(submitted(), routed(), started())
     after = evolve(before, completed())
 
-    delta = figures_delta(before, after)
+    outcome = outcome_of(before, after)
 
-    assert delta is not None
-    assert (delta.model, delta.domain, delta.worker) == ("qwen2.5:7b", "code", "mac")
-    assert (delta.count, delta.failures) == (1, 0)
-    assert (delta.total_ms, delta.load_ms, delta.eval_ms, delta.eval_tokens) == (
-        8000.0,
-        1500.0,
-        6000.0,
-        40,
+    assert outcome == Outcome(
+        task_id=TASK,
+        attempt=1,
+        model="qwen2.5:7b",
+        domain="code",
+        worker="mac",
+        ok=True,
+        total_ms=8000.0,
+        load_ms=1500.0,
+        eval_ms=6000.0,
+        eval_tokens=40,
+        first_token_ms=None,
+        ended_at=110.0,
     )
-    assert delta.at == 110.0
 
 
-def test_a_task_becoming_failed_adds_one_failure_and_no_durations() -> None:
+def test_a_task_becoming_failed_records_a_failed_outcome() -> None:
     before = replay(submitted(), routed())
-    delta = figures_delta(before, evolve(before, failed()))
+    outcome = outcome_of(before, evolve(before, failed()))
 
-    assert delta is not None
-    assert (delta.count, delta.failures, delta.total_ms, delta.eval_tokens) == (1, 1, 0.0, 0)
+    assert outcome is not None
+    assert (outcome.ok, outcome.worker, outcome.total_ms) == (False, "mac", None)
 
 
-def test_no_delta_until_the_task_ends() -> None:
+def test_no_outcome_until_the_task_ends() -> None:
     before = replay(submitted(), routed())
 
-    assert figures_delta(None, evolve(None, submitted())) is None
-    assert figures_delta(before, evolve(before, started())) is None
+    assert outcome_of(None, evolve(None, submitted())) is None
+    assert outcome_of(before, evolve(before, started())) is None
 
 
-def test_an_attempt_is_counted_once() -> None:
+def test_an_attempt_has_one_outcome() -> None:
     done = replay(submitted(), routed(), completed())
 
-    assert figures_delta(done, evolve(done, completed())) is None
-    assert figures_delta(done, evolve(done, submitted())) is None
+    assert outcome_of(done, evolve(done, completed())) is None
+    assert outcome_of(done, evolve(done, submitted())) is None
 
 
-def test_each_attempt_counts_for_its_own_worker() -> None:
+def test_each_attempt_has_its_own_outcome_on_its_own_worker() -> None:
     failed_on_mac = replay(submitted(), routed(1, "mac"), failed(1, "mac"))
     requeued = evolve(failed_on_mac, routed(2, "pc"))
 
-    delta = figures_delta(requeued, evolve(requeued, completed(2, "pc")))
+    outcome = outcome_of(requeued, evolve(requeued, completed(2, "pc")))
 
-    assert delta is not None
-    assert (delta.worker, delta.count, delta.failures) == ("pc", 1, 0)
+    assert outcome is not None
+    assert (outcome.attempt, outcome.worker, outcome.ok) == (2, "pc", True)
 
 
-def test_no_domain_and_no_worker_become_empty_keys() -> None:
-    before = replay(submitted(domain=None))
-    delta = figures_delta(before, evolve(before, failed(worker=None)))
+def test_without_a_requested_domain_the_heuristic_names_it() -> None:
+    before = evolve(None, submitted(domain=None))  # prompt "hello"
+    outcome = outcome_of(before, evolve(before, failed(worker=None)))
 
-    assert delta is not None
-    assert (delta.domain, delta.worker) == ("", "")
+    assert outcome is not None
+    assert (outcome.domain, outcome.worker) == ("general", "")
+
+
+def test_the_time_to_first_token_is_kept_when_the_backend_streamed() -> None:
+    before = replay(submitted(), routed())
+    streamed = msgspec.structs.replace(
+        completed(),
+        durations=Durations(total_ms=8000.0, first_token_ms=350.0),
+    )
+
+    outcome = outcome_of(before, evolve(before, streamed))
+
+    assert outcome is not None
+    assert outcome.first_token_ms == 350.0
 
 
 def test_an_outcome_before_submitted_counts_when_the_model_is_known() -> None:
-    assert figures_delta(None, evolve(None, completed())) is not None
-    assert figures_delta(None, evolve(None, failed())) is None  # model unknown: no key
+    assert outcome_of(None, evolve(None, completed())) is not None
+    assert outcome_of(None, evolve(None, failed())) is None  # model unknown: no key
 
 
 # -- to_view ---------------------------------------------------------------------------------

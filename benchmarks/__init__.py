@@ -1,0 +1,1 @@
+"""Performance and reliability harnesses with their target figures (not timed tests)."""

@@ -1,0 +1,465 @@
+"""``coordinator stats | alias | judge | bench``: the statistics, for people and for cron.
+
+``stats`` and ``alias`` talk to the stats service over NATS (``coordinator.stats…``, see
+``schemas/stats.py``); ``stats serve`` runs that service. ``judge`` and ``bench`` are jobs:
+``judge`` reads the read model (``PG_DSN``) and calls the judge host directly, ``bench`` goes
+through the router like any client. All follow the CLI's exit statuses (0 success, 1 failed,
+2 usage or configuration); ``bench`` adds 3 for "all done, but a worker was slow".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from schemas.stats import (
+    AliasesReply,
+    AliasRemoveRequest,
+    AliasRequest,
+    AliasView,
+    ExcludeRequest,
+    ExclusionsQuery,
+    ExclusionsReply,
+    ExclusionView,
+    FigureView,
+    IncludeRequest,
+    RebuildReply,
+    StatsQuery,
+    StatsReply,
+)
+from schemas.subjects import (
+    ALIAS_ADD,
+    ALIAS_REMOVE,
+    ALIASES,
+    STATS,
+    STATS_EXCLUDE,
+    STATS_EXCLUSIONS,
+    STATS_INCLUDE,
+    STATS_REBUILD,
+)
+from services.cli.client import call, find_nats_url, open_client
+from services.runtime.logging import setup_logging
+
+EXIT_FAILED = 1
+
+_json = msgspec.json.Encoder()
+T = TypeVar("T")
+
+# "2h ago", or "-2h" (as --since=-2h: argparse takes a bare "-2h" for an option).
+_RELATIVE = re.compile(r"^(?:-\s*(\d+(?:\.\d+)?)\s*([smhdw])|(\d+(?:\.\d+)?)\s*([smhdw])\s+ago)$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_time(text: str, now: float | None = None) -> float:
+    """Epoch seconds from ``text``: ``now``; ``90m ago``, ``2h ago``, ``3d ago`` (or ``-2h``);
+    epoch seconds; or ISO 8601 (``2025-06-01``, ``2025-06-01T02:00``, ``…+09:00``, ``…Z``),
+    local time when it names no zone. Raises ValueError saying what is accepted."""
+    value = text.strip()
+    current = time.time() if now is None else now
+    if value.lower() == "now":
+        return current
+    relative = _RELATIVE.match(value.lower())
+    if relative is not None:
+        amount, unit = (
+            relative.group(1) or relative.group(3),
+            relative.group(2) or relative.group(4),
+        )
+        return current - float(amount) * _UNIT_S[unit]
+    try:
+        number = float(value)
+    except ValueError:
+        pass
+    else:
+        if math.isfinite(number):
+            return number
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a time: use ISO 8601 (2025-06-01T02:00, local time unless a zone "
+            "is given), epoch seconds, 'now', or '30m ago' / '2h ago' / '3d ago'"
+        ) from None
+    return parsed.timestamp()
+
+
+def _time_arg(text: str) -> float:
+    try:
+        return parse_time(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def register(sub: Any) -> None:
+    """Add ``stats``, ``alias``, ``judge`` and ``bench`` to the ``coordinator`` parser."""
+    stats = sub.add_parser(
+        "stats",
+        help="figures per model, domain and worker; exclusions, rebuild; 'serve' runs the service",
+        description="Without an action: print the figures (exclusions left out, aliases applied).",
+    )
+    stats.add_argument("--json", action="store_true", help="print the reply body as is")
+    stats.add_argument("--model")
+    stats.add_argument("--worker")
+    stats.add_argument("--domain")
+    stats.set_defaults(func=cmd_figures)
+    actions = stats.add_subparsers(dest="stats_command", metavar="ACTION")
+
+    serve = actions.add_parser("serve", help="run the stats service (configured by environment)")
+    serve.set_defaults(func=cmd_serve)
+
+    exclude = actions.add_parser(
+        "exclude", help="leave a worker's outcomes in a time range out of every figure"
+    )
+    exclude.add_argument("--worker", required=True)
+    exclude.add_argument("--model", help="only this model (default: every model)")
+    exclude.add_argument(
+        "--since", required=True, type=_time_arg, help="ISO 8601, epoch seconds, or '2h ago'"
+    )
+    exclude.add_argument("--until", type=_time_arg, help="default: open-ended")
+    exclude.add_argument("--reason", required=True)
+    exclude.add_argument("--json", action="store_true")
+    exclude.set_defaults(func=cmd_exclude)
+
+    include = actions.add_parser("include", help="withdraw an exclusion")
+    include.add_argument("exclusion_id")
+    include.add_argument("--reason", default="")
+    include.add_argument("--json", action="store_true")
+    include.set_defaults(func=cmd_include)
+
+    exclusions = actions.add_parser("exclusions", help="list the exclusions")
+    exclusions.add_argument("--all", action="store_true", help="withdrawn ones too")
+    exclusions.add_argument("--json", action="store_true")
+    exclusions.set_defaults(func=cmd_exclusions)
+
+    rebuild = actions.add_parser(
+        "rebuild", help="replay the event log into fresh tables and swap them in"
+    )
+    rebuild.add_argument("--timeout", type=_positive, default=3600.0, help="seconds to wait")
+    rebuild.add_argument("--json", action="store_true")
+    rebuild.set_defaults(func=cmd_rebuild)
+
+    alias = sub.add_parser("alias", help="model aliases: several names, one statistics key")
+    alias_actions = alias.add_subparsers(dest="alias_command", required=True, metavar="ACTION")
+    add = alias_actions.add_parser("add", help="OLD is from now on a name of NEW")
+    add.add_argument("old")
+    add.add_argument("new")
+    add.set_defaults(func=cmd_alias_add)
+    remove = alias_actions.add_parser("remove", help="OLD keys its own statistics again")
+    remove.add_argument("old")
+    remove.set_defaults(func=cmd_alias_remove)
+    listing = alias_actions.add_parser("list", help="every alias and where it leads")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(func=cmd_alias_list)
+
+    judge = sub.add_parser(
+        "judge", help="score done, unscored tasks with an LLM judge (a job for cron)"
+    )
+    judge.add_argument("--host", help="judge Ollama (JUDGE_OLLAMA_HOST)")
+    judge.add_argument("--fallback-host", help="when the judge host does not answer")
+    judge.add_argument("--model", help="judge model (JUDGE_MODEL)")
+    judge.add_argument("--batch-limit", type=int, help="verdicts per run (BATCH_LIMIT)")
+    judge.set_defaults(func=cmd_judge)
+
+    bench = sub.add_parser("bench", help="the nightly benchmark through the router (for cron)")
+    bench.add_argument("--models", help="comma-separated (default: every model served)")
+    bench.add_argument("--prompts", type=Path, help="a .json list or one prompt per line")
+    bench.add_argument("--timeout", type=_positive, default=300.0, help="seconds per prompt")
+    bench.set_defaults(func=cmd_bench)
+
+
+# -- plumbing ---------------------------------------------------------------------------------
+
+
+def _run(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    setup_logging("error", "console", stream=sys.stderr)
+    return asyncio.run(main())
+
+
+def _request(subject: str, body: msgspec.Struct | None, timeout_s: float = 30.0) -> bytes:
+    async def go() -> bytes:
+        nc = await open_client()
+        try:
+            return await call(nc, subject, b"{}" if body is None else _json.encode(body), timeout_s)
+        finally:
+            await nc.close()
+
+    return _run(go)
+
+
+def _when(at: float | None) -> str:
+    return "-" if at is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+# -- stats ------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.runtime.lifecycle import run_until_stopped
+    from services.runtime.settings import StatsSettings
+    from services.runtime.tracing import setup_tracing
+    from services.stats.service import run
+
+    settings = StatsSettings.from_env()
+    setup_logging(settings.log_level, settings.log_format)
+    setup_tracing("coordinator-stats")
+    run_until_stopped(lambda stop: run(settings, stop))
+    return 0
+
+
+def figures_table(figures: list[FigureView]) -> list[str]:
+    """``coordinator stats`` as lines: durations in ms over done tasks."""
+    header = (
+        "MODEL",
+        "DOMAIN",
+        "WORKER",
+        "N",
+        "FAIL",
+        "MEAN",
+        "P50",
+        "P95",
+        "LOAD",
+        "WARM",
+        "TOK/S",
+        "TTFT",
+        "QUALITY",
+    )
+    rows = [
+        (
+            f.model,
+            f.domain,
+            f.worker or "-",
+            str(f.count),
+            str(f.failures),
+            _num(f.mean_ms),
+            _num(f.p50_ms),
+            _num(f.p95_ms),
+            _num(f.load_ms_p50),
+            _num(f.warm_p50_ms),
+            _num(f.tokens_per_s, 1),
+            _num(f.first_token_ms_p50),
+            f"{f.quality_mean:.2f} ({f.quality_count})" if f.quality_mean is not None else "-",
+        )
+        for f in figures
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        cells = [
+            cell.ljust(widths[i]) if i < 3 else cell.rjust(widths[i]) for i, cell in enumerate(row)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def cmd_figures(args: argparse.Namespace) -> int:
+    query = StatsQuery(model=args.model, worker=args.worker, domain=args.domain)
+    body = _request(STATS, query)
+    if args.json:
+        print(body.decode())
+        return 0
+    reply = msgspec.json.decode(body, type=StatsReply)
+    if not reply.figures:
+        print("no figures yet")
+    else:
+        for line in figures_table(reply.figures):
+            print(line)
+        print("durations in ms over done tasks: LOAD = model load p50, WARM = p50 without load")
+    if reply.active_exclusions:
+        print(
+            f"{reply.active_exclusions} active exclusion(s) leave outcomes out: "
+            "coordinator stats exclusions"
+        )
+    return 0
+
+
+def _exclusion_line(view: ExclusionView) -> str:
+    window = f"{_when(view.since)} .. {_when(view.until) if view.until else 'open'}"
+    state = f", withdrawn {_when(view.withdrawn_at)}" if view.withdrawn_at else ""
+    return (
+        f"{view.exclusion_id}  worker {view.worker}  model {view.model or '*'}  {window}  "
+        f"{view.reason!r}{state}"
+    )
+
+
+def cmd_exclude(args: argparse.Namespace) -> int:
+    request = ExcludeRequest(
+        worker=args.worker, model=args.model, since=args.since, until=args.until, reason=args.reason
+    )
+    body = _request(STATS_EXCLUDE, request)
+    if args.json:
+        print(body.decode())
+        return 0
+    view = msgspec.json.decode(body, type=ExclusionView)
+    print(f"excluded: {_exclusion_line(view)}")
+    print(f"(withdraw with: coordinator stats include {view.exclusion_id})", file=sys.stderr)
+    return 0
+
+
+def cmd_include(args: argparse.Namespace) -> int:
+    body = _request(
+        STATS_INCLUDE, IncludeRequest(exclusion_id=args.exclusion_id, reason=args.reason)
+    )
+    if args.json:
+        print(body.decode())
+        return 0
+    print(f"withdrawn: {_exclusion_line(msgspec.json.decode(body, type=ExclusionView))}")
+    return 0
+
+
+def cmd_exclusions(args: argparse.Namespace) -> int:
+    body = _request(STATS_EXCLUSIONS, ExclusionsQuery(withdrawn=args.all))
+    if args.json:
+        print(body.decode())
+        return 0
+    reply = msgspec.json.decode(body, type=ExclusionsReply)
+    if not reply.exclusions:
+        print("no exclusions")
+    for view in reply.exclusions:
+        print(_exclusion_line(view))
+    return 0
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    print("rebuilding the statistics from the event log…", file=sys.stderr)
+    body = _request(STATS_REBUILD, None, timeout_s=args.timeout)
+    if args.json:
+        print(body.decode())
+        return 0
+    reply = msgspec.json.decode(body, type=RebuildReply)
+    print(
+        f"rebuilt from {reply.events} events (up to #{reply.last_seq}) in {reply.seconds:.1f} s "
+        f"({reply.events_per_s:.0f} events/s); {reply.figures} figure rows"
+    )
+    return 0
+
+
+# -- alias ------------------------------------------------------------------------------------
+
+
+def cmd_alias_add(args: argparse.Namespace) -> int:
+    body = _request(ALIAS_ADD, AliasRequest(alias=args.old, canonical=args.new))
+    view = msgspec.json.decode(body, type=AliasView)
+    print(f"{view.alias} -> {view.canonical}")
+    return 0
+
+
+def cmd_alias_remove(args: argparse.Namespace) -> int:
+    _request(ALIAS_REMOVE, AliasRemoveRequest(alias=args.old))
+    print(f"{args.old} is no longer an alias")
+    return 0
+
+
+def cmd_alias_list(args: argparse.Namespace) -> int:
+    body = _request(ALIASES, None)
+    if args.json:
+        print(body.decode())
+        return 0
+    reply = msgspec.json.decode(body, type=AliasesReply)
+    if not reply.aliases:
+        print("no aliases")
+    for view in reply.aliases:
+        print(f"{view.alias} -> {view.canonical}  (since {_when(view.set_at)})")
+    return 0
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
+
+def judge_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment with the judge's flags applied over it (flags win)."""
+    env = dict(environ)
+    flags = {
+        "JUDGE_OLLAMA_HOST": args.host,
+        "JUDGE_FALLBACK_HOST": args.fallback_host,
+        "JUDGE_MODEL": args.model,
+        "BATCH_LIMIT": None if args.batch_limit is None else str(args.batch_limit),
+    }
+    env.update({name: value for name, value in flags.items() if value is not None})
+    if not env.get("NATS_URL"):
+        env["NATS_URL"] = find_nats_url()
+    return env
+
+
+def cmd_judge(args: argparse.Namespace) -> int:
+    from services.runtime.bus import connect
+    from services.stats.judge import Judge, JudgeSettings, summary
+    from services.stats.store import Store
+
+    settings = JudgeSettings.from_env(judge_environment(args, os.environ))
+
+    async def go() -> int:
+        store = await Store.connect(settings.pg_dsn, max_size=2)
+        try:
+            nc = await connect(settings.nats_url, "coordinator-judge", connect_timeout_s=5.0)
+            try:
+                report = await Judge(nc.jetstream(), store, settings).run()
+            finally:
+                await nc.close()
+        finally:
+            await store.close()
+        print(summary(report, settings.judge_model))
+        for error in report.errors:
+            print(f"error judge_failed: {error}", file=sys.stderr)
+        if report.stopped:
+            print(f"error judge_unavailable: {report.stopped}", file=sys.stderr)
+        return 0 if report.ok else EXIT_FAILED
+
+    return _run(go)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from services.stats.bench import BUILTIN_PROMPTS, Bench, load_prompts, table, warnings
+
+    prompts = load_prompts(args.prompts) if args.prompts else list(BUILTIN_PROMPTS)
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    def warn(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    async def go() -> int:
+        nc = await open_client()
+        try:
+            bench = Bench(nc, timeout_s=args.timeout, say=say)
+            say(f"bench {bench.report.run_id}: {len(prompts)} prompt(s)")
+            report = await bench.run(prompts, models)
+        finally:
+            await nc.close()
+        say("")
+        for line in table(report):
+            say(line)
+        for note in report.notes:
+            warn(f"note: {note}")
+        for line in warnings(report):
+            warn(line)
+        done = len(report.results) - report.failed
+        say(f"bench {report.run_id}: {done} done, {report.failed} failed, {len(report.slow)} slow")
+        return report.exit_status
+
+    return _run(go)

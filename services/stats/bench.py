@@ -1,0 +1,398 @@
+"""``coordinator bench``: the nightly benchmark (lesson 2: it is how a duplicate worker shows).
+
+A cron-friendly job that needs only NATS. It asks ``coordinator.workers`` who is live and
+sends every prompt of the set (built in, or ``--prompts FILE``) to every live worker serving
+each model (``--models`` narrows them; default: every model a live worker serves), through
+``coordinator.route`` with ``wait`` and the worker designated, so each worker is measured on
+its own. Workers run side by side, each its prompts one at a time, as they would anyway.
+
+As results arrive it prints ``done 9005ms LFM2.5-1.2B-JP (ai-core) [code-fib]`` or ``error -
+gemma3:1b (esxi) timed out [code-fib]``; at the end a table per model and worker, and a
+warning for each worker that ran a model at twice its own baseline or worse (`baseline.py`:
+the median of its earlier clean runs, which the stats service keeps from earlier runs' bench
+events, exclusions left out). Durations are the backend's own (from the task's ``completed``
+event), not the time spent queueing.
+
+The run is recorded as events: ``events.bench.<run_id>.started``, one ``.result`` per prompt
+and worker, ``.finished``. Exit status: 0 when every prompt was done at normal speed, 1 when
+one failed or the run could not start, 3 when all were done but some worker was slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import msgspec
+import nats.js.errors
+from nats.aio.client import Client
+
+from schemas.events import (
+    AnyEvent,
+    BenchFinished,
+    BenchResult,
+    BenchStarted,
+    TaskCompleted,
+    task_event_decoder,
+)
+from schemas.queries import WorkersReply
+from schemas.route import RouteReply, RouteRequest
+from schemas.stats import BaselinesQuery, BaselinesReply
+from schemas.subjects import EVENTS_STREAM, ROUTE, STATS_BASELINES, WORKERS, task_event
+from services.cli.client import RemoteError, call
+from services.runtime.bus import publish_event
+from services.runtime.errors import ConfigError, CoordinatorError, NoWorker
+from services.stats.baseline import Comparison, PromptBaseline, Sample, compare
+from services.stats.domains import classify_domain
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_SLOW: Final = 3
+
+# Extra time a request waits beyond the task's own timeout: queueing and event delivery.
+REQUEST_MARGIN_S: Final = 60.0
+
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    name: str
+    domain: str
+    prompt: str
+
+    @property
+    def key(self) -> str:
+        """Results are compared with earlier results of the same prompt text."""
+        return hashlib.sha256(self.prompt.encode()).hexdigest()[:16]
+
+
+BUILTIN_PROMPTS: Final = (
+    BenchPrompt(
+        "code-fib",
+        "code",
+        "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    ),
+    BenchPrompt("math-product", "math", "What is 17*23? Answer with the number only."),
+    BenchPrompt("japanese-capital", "japanese", "日本の首都はどこですか？一文で答えてください。"),
+    BenchPrompt("general-colours", "general", "Name the three primary colours of light."),
+)
+
+
+class _PromptFileEntry(msgspec.Struct, forbid_unknown_fields=True):
+    prompt: str
+    name: str | None = None
+    domain: str | None = None
+
+
+def load_prompts(path: Path) -> list[BenchPrompt]:
+    """Prompts from a file: a ``.json`` list (of strings, or of ``{"prompt", "name"?,
+    "domain"?}``), else one prompt per non-blank line (``#`` starts a comment line).
+
+    A missing domain is the heuristic's. Raises `ConfigError` naming what is wrong.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--prompts {path}: {exc.strerror or exc}") from None
+    entries: list[_PromptFileEntry]
+    if path.suffix.lower() == ".json":
+        try:
+            raw = json.loads(text)
+            if not isinstance(raw, list):
+                raise ConfigError(f"--prompts {path}: expected a JSON list of prompts")
+            entries = [
+                _PromptFileEntry(prompt=item)
+                if isinstance(item, str)
+                else msgspec.convert(item, _PromptFileEntry)
+                for item in raw
+            ]
+        except (ValueError, msgspec.ValidationError) as exc:
+            raise ConfigError(f"--prompts {path}: {exc}") from None
+    else:
+        lines = [line.strip() for line in text.splitlines()]
+        entries = [_PromptFileEntry(prompt=line) for line in lines if line and line[0] != "#"]
+    prompts = []
+    for number, entry in enumerate(entries, start=1):
+        if not entry.prompt.strip():
+            raise ConfigError(f"--prompts {path}: prompt {number} is empty")
+        prompts.append(
+            BenchPrompt(
+                name=entry.name or f"prompt-{number}",
+                domain=entry.domain or classify_domain(entry.prompt),
+                prompt=entry.prompt,
+            )
+        )
+    if not prompts:
+        raise ConfigError(f"--prompts {path}: no prompts in the file")
+    return prompts
+
+
+@dataclass(frozen=True)
+class Result:
+    model: str
+    worker: str
+    prompt: BenchPrompt
+    ok: bool
+    total_ms: float | None = None
+    load_ms: float | None = None
+    task_id: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class BenchReport:
+    run_id: str
+    results: list[Result] = field(default_factory=list)
+    comparisons: list[Comparison] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Things that did not stop the run but should be seen (no baseline, event not stored)."""
+
+    @property
+    def failed(self) -> int:
+        return sum(not r.ok for r in self.results)
+
+    @property
+    def slow(self) -> list[Comparison]:
+        return [c for c in self.comparisons if c.slow]
+
+    @property
+    def exit_status(self) -> int:
+        if self.failed:
+            return EXIT_FAILED
+        return EXIT_SLOW if self.slow else EXIT_OK
+
+
+def new_run_id() -> str:
+    return f"bench-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+
+
+def describe_error(text: str) -> str:
+    """A short reason for a progress line: ``timed out`` for timeouts, else the text."""
+    code = text.split(":", 1)[0].strip()
+    if code in {"backend_timeout", "timeout"}:
+        return "timed out"
+    return text
+
+
+class Bench:
+    """One benchmark run over the live fleet."""
+
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        timeout_s: float = 300.0,
+        say: Callable[[str], None] = print,
+        run_id: str | None = None,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.timeout_s = timeout_s
+        self.say = say
+        self.report = BenchReport(run_id=run_id or new_run_id())
+        self._index = 0
+
+    async def run(self, prompts: list[BenchPrompt], models: list[str] | None) -> BenchReport:
+        """Run every prompt on every (model, worker), record and compare; see the module doc."""
+        plan, missing = await self._plan(models)
+        all_models = sorted({m for m, _ in plan} | set(missing))
+        baselines = await self._baselines(all_models)
+        workers = sorted({w for _, w in plan})
+        await self._record(
+            BenchStarted(
+                at=time.time(),
+                run_id=self.report.run_id,
+                models=all_models,
+                workers=workers,
+                prompts=len(prompts),
+            )
+        )
+        for model in missing:
+            for prompt in prompts:
+                await self._result(
+                    Result(model, "", prompt, ok=False, error="no live worker serves it")
+                )
+        by_worker: dict[str, list[str]] = {}
+        for model, worker in plan:
+            by_worker.setdefault(worker, []).append(model)
+        await asyncio.gather(
+            *(self._run_worker(worker, ms, prompts) for worker, ms in sorted(by_worker.items()))
+        )
+        samples = [
+            Sample(r.model, r.worker, r.prompt.key, r.total_ms)
+            for r in self.report.results
+            if r.ok and r.total_ms is not None
+        ]
+        self.report.comparisons = compare(samples, baselines)
+        await self._record(
+            BenchFinished(
+                at=time.time(),
+                run_id=self.report.run_id,
+                ok=len(self.report.results) - self.report.failed,
+                failed=self.report.failed,
+                slow=[f"{c.model} ({c.worker})" for c in self.report.slow],
+            )
+        )
+        return self.report
+
+    async def _plan(self, models: list[str] | None) -> tuple[list[tuple[str, str]], list[str]]:
+        """``[(model, worker)]`` to run, and the requested models no live worker serves."""
+        reply = msgspec.json.decode(await call(self.nc, WORKERS, b"{}", 10.0), type=WorkersReply)
+        served = sorted({(m, w.worker_id) for w in reply.workers for m in w.models})
+        if models is None:
+            if not served:
+                raise NoWorker("no live workers: nothing to benchmark")
+            return served, []
+        plan = [(m, w) for m, w in served if m in models]
+        missing = sorted(set(models) - {m for m, _ in plan})
+        return plan, missing
+
+    async def _baselines(self, models: list[str]) -> dict[tuple[str, str, str], PromptBaseline]:
+        if not models:
+            return {}
+        query = BaselinesQuery(models=models, exclude_run=self.report.run_id)
+        try:
+            body = await call(self.nc, STATS_BASELINES, _encoder.encode(query), 30.0)
+        except (CoordinatorError, RemoteError) as exc:
+            message = exc.message
+            self.report.notes.append(f"no baselines (the stats service: {message})")
+            return {}
+        reply = msgspec.json.decode(body, type=BaselinesReply)
+        return {
+            (b.model, b.worker, b.prompt_key): PromptBaseline(b.median_ms, b.runs)
+            for b in reply.baselines
+        }
+
+    async def _run_worker(self, worker: str, models: list[str], prompts: list[BenchPrompt]) -> None:
+        for model in models:
+            for prompt in prompts:
+                await self._result(await self._ask(model, worker, prompt))
+
+    async def _ask(self, model: str, worker: str, prompt: BenchPrompt) -> Result:
+        request = RouteRequest(
+            prompt=prompt.prompt,
+            model=model,
+            worker=worker,
+            domain=prompt.domain,
+            wait=True,
+            timeout_s=self.timeout_s,
+        )
+        started = time.perf_counter()
+        try:
+            body = await call(
+                self.nc, ROUTE, _encoder.encode(request), self.timeout_s + REQUEST_MARGIN_S
+            )
+        except RemoteError as exc:
+            return Result(model, worker, prompt, ok=False, error=f"{exc.code}: {exc.message}")
+        except CoordinatorError as exc:
+            return Result(model, worker, prompt, ok=False, error=f"{exc.code}: {exc.message}")
+        wall_ms = (time.perf_counter() - started) * 1000
+        reply = msgspec.json.decode(body, type=RouteReply)
+        if reply.status != "done":
+            return Result(model, worker, prompt, ok=False, task_id=reply.task_id, error=reply.error)
+        total_ms, load_ms = await self._durations(reply.task_id, wall_ms)
+        return Result(
+            model,
+            worker,
+            prompt,
+            ok=True,
+            total_ms=total_ms,
+            load_ms=load_ms,
+            task_id=reply.task_id,
+        )
+
+    async def _durations(self, task_id: str, wall_ms: float) -> tuple[float, float | None]:
+        """The backend's own durations from the task's ``completed`` event."""
+        try:
+            stored = await self.js.get_last_msg(EVENTS_STREAM, task_event(task_id, "completed"))
+            event = task_event_decoder.decode(stored.data or b"")
+        except (nats.js.errors.Error, msgspec.DecodeError) as exc:
+            self.report.notes.append(f"task {task_id}: wall-clock time used ({exc!r})")
+            return wall_ms, None
+        if not isinstance(event, TaskCompleted):
+            return wall_ms, None
+        return event.durations.total_ms, event.durations.load_ms
+
+    async def _result(self, result: Result) -> None:
+        self.report.results.append(result)
+        where = f"{result.model} ({result.worker or '-'})"
+        if result.ok:
+            self.say(f"done {result.total_ms or 0:.0f}ms {where} [{result.prompt.name}]")
+        else:
+            reason = describe_error(result.error or "failed")
+            self.say(f"error - {where} {reason} [{result.prompt.name}]")
+        index = self._index
+        self._index += 1
+        await self._record(
+            BenchResult(
+                at=time.time(),
+                run_id=self.report.run_id,
+                index=index,
+                model=result.model,
+                worker=result.worker,
+                domain=result.prompt.domain,
+                prompt_key=result.prompt.key,
+                prompt_name=result.prompt.name,
+                ok=result.ok,
+                task_id=result.task_id,
+                total_ms=result.total_ms,
+                load_ms=result.load_ms,
+                error=result.error,
+            )
+        )
+
+    async def _record(self, event: AnyEvent) -> None:
+        index = getattr(event, "index", "")
+        msg_id = f"{self.report.run_id}:{type(event).__name__}:{index}"
+        try:
+            await publish_event(self.js, event, msg_id=msg_id)
+        except Exception as exc:
+            self.report.notes.append(f"could not record a bench event: {exc!r}")
+
+
+def table(report: BenchReport) -> list[str]:
+    """The summary table, one line per model and worker."""
+    rows: dict[tuple[str, str], list[Result]] = {}
+    for result in report.results:
+        rows.setdefault((result.model, result.worker), []).append(result)
+    comparisons = {(c.model, c.worker): c for c in report.comparisons}
+    width = max([len(m) for m, _ in rows] + [5])
+    lines = [
+        f"{'MODEL':<{width}}  {'WORKER':<16} {'DONE':>4} {'FAILED':>6} {'MEDIAN_MS':>10} "
+        f"{'BASELINE_MS':>11} {'RATIO':>6}"
+    ]
+    for (model, worker), results in sorted(rows.items()):
+        comparison = comparisons.get((model, worker))
+        done = sum(r.ok for r in results)
+        median = f"{comparison.median_ms:.0f}" if comparison else "-"
+        baseline = (
+            f"{comparison.baseline_ms:.0f}"
+            if comparison and comparison.baseline_ms is not None
+            else "-"
+        )
+        ratio = f"{comparison.ratio:.2f}x" if comparison and comparison.ratio is not None else "-"
+        flag = "  SLOW" if comparison and comparison.slow else ""
+        lines.append(
+            f"{model:<{width}}  {worker or '-':<16} {done:>4} {len(results) - done:>6} "
+            f"{median:>10} {baseline:>11} {ratio:>6}{flag}"
+        )
+    return lines
+
+
+def warnings(report: BenchReport) -> list[str]:
+    """One line per worker running a model at twice its own baseline or worse."""
+    return [
+        f"warning: {c.model} on {c.worker} ran at {c.ratio:.1f}x its baseline "
+        f"({c.median_ms:.0f} ms against {c.baseline_ms:.0f} ms, the median of its earlier "
+        f"clean runs, {c.baseline_runs} or more): is a second instance of {c.worker} running?"
+        for c in report.slow
+        if c.ratio is not None and c.baseline_ms is not None
+    ]
