@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 from nats.aio.client import Client
 
-from schemas.route import ErrorBody
+from schemas.route import CHUNK_HEADER, ErrorBody, StreamChunk
 from services.runtime.bus import connect
 from services.runtime.errors import CoordinatorError
 
@@ -63,17 +64,55 @@ async def call(nc: Client, subject: str, body: bytes, timeout_s: float) -> bytes
         if "Timeout" in name:
             raise NoResponder(f"{subject} did not answer within {timeout_s:g} s") from exc
         raise
-    headers = reply.headers or {}
-    if "Nats-Service-Error-Code" in headers:
-        try:
-            detail = _error_decoder.decode(reply.data).error
-            raise RemoteError(detail.code, detail.message)
-        except msgspec.DecodeError:
-            raise RemoteError(
-                headers["Nats-Service-Error-Code"], headers.get("Nats-Service-Error", "")
-            ) from None
+    _raise_if_error(reply.data, reply.headers or {})
     return reply.data
+
+
+def _raise_if_error(data: bytes, headers: dict[str, str]) -> None:
+    if "Nats-Service-Error-Code" not in headers:
+        return
+    try:
+        detail = _error_decoder.decode(data).error
+    except msgspec.DecodeError:
+        code = headers["Nats-Service-Error-Code"]
+        raise RemoteError(code, headers.get("Nats-Service-Error", "")) from None
+    raise RemoteError(detail.code, detail.message)
 
 
 async def open_client() -> Client:
     return await connect(find_nats_url(), "coordinator-cli", connect_timeout_s=3.0)
+
+
+_chunk_decoder = msgspec.json.Decoder(StreamChunk)
+
+
+async def stream_call(
+    nc: Client, subject: str, body: bytes, timeout_s: float
+) -> AsyncIterator[StreamChunk | bytes]:
+    """A request whose answer comes as chunks, then one final reply (yielded as bytes).
+
+    The reply subject is subscribed before the request goes out, so no chunk can be missed;
+    ``timeout_s`` bounds each wait for the next message.
+    """
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        await nc.publish(subject, body, reply=inbox)
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=timeout_s)
+            except Exception as exc:
+                if "Timeout" in type(exc).__name__:
+                    raise NoResponder(f"{subject}: nothing arrived for {timeout_s:g} s") from exc
+                raise
+            headers = msg.headers or {}
+            if headers.get("Status") == "503":
+                raise NoResponder(f"no service answers {subject}: is the stack running?")
+            if CHUNK_HEADER in headers:
+                yield _chunk_decoder.decode(msg.data)
+                continue
+            _raise_if_error(msg.data, headers)
+            yield msg.data
+            return
+    finally:
+        await sub.unsubscribe()

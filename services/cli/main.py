@@ -16,14 +16,21 @@ from typing import Any
 
 import msgspec
 
-from schemas import events, queries, route, tasks, workers
+from schemas import events, queries, route, stats, tasks, workers
 from schemas.subjects import ROUTE, TASK, WORKERS
 from services import __version__
-from services.cli.client import RemoteError, call, open_client
+from services.cli import stats_commands
+from services.cli.client import RemoteError, call, open_client, stream_call
 from services.runtime.errors import CoordinatorError
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.logging import setup_logging
-from services.runtime.settings import RouterSettings, Settings, StatsSettings, WorkerSettings
+from services.runtime.settings import (
+    RouterSettings,
+    Settings,
+    StatsSettings,
+    WebSearchSettings,
+    WorkerSettings,
+)
 from services.runtime.tracing import setup_tracing
 
 EXIT_FAILED = 1
@@ -62,18 +69,28 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (
         ("router", "run the router alone (configured by the environment)"),
         ("worker", "run one worker alone (configured by the environment)"),
-        ("stats", "run the stats projector alone (configured by the environment)"),
+        ("web-search", "run one web-search worker alone (configured by the environment)"),
     ):
         p = sub.add_parser(name, help=helptext)
         p.set_defaults(func=cmd_service, service=name)
 
     ask = sub.add_parser("ask", help="route a prompt, wait, print the answer")
     ask.add_argument("prompt")
-    ask.add_argument("--model", "-m", required=True)
+    ask.add_argument(
+        "--model", "-m", help="required for inference; web_search: the summary model (optional)"
+    )
+    ask.add_argument(
+        "--type",
+        dest="task_type",
+        choices=("inference", "web_search"),
+        default="inference",
+        help="web_search: search the web, answer from the results, list the sources",
+    )
     ask.add_argument("--worker", "-w")
     ask.add_argument("--domain")
     ask.add_argument("--timeout", type=float, default=None, help="seconds the task may run")
     ask.add_argument("--json", action="store_true", help="print the reply body as is")
+    ask.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     ask.set_defaults(func=cmd_ask)
 
     task = sub.add_parser("task", help="show one task")
@@ -90,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = sch_sub.add_parser("export", help="write one JSON Schema per wire type into DIR")
     export.add_argument("dir", type=Path)
     export.set_defaults(func=cmd_schemas_export)
+
+    # stats (figures; `stats serve` runs the service), alias, judge, bench
+    stats_commands.register(sub)
     return parser
 
 
@@ -107,6 +127,10 @@ def cmd_service(args: argparse.Namespace) -> int:
         from services.worker.service import run as runner
 
         settings = WorkerSettings.from_env()
+    elif args.service == "web-search":
+        from services.web_search.service import run as runner
+
+        settings = WebSearchSettings.from_env()
     else:
         from services.stats.service import run as runner
 
@@ -138,10 +162,40 @@ def _request(subject: str, body: bytes, timeout_s: float) -> bytes:
     return asyncio.run(go())
 
 
+def _stream_request(subject: str, body: bytes, timeout_s: float, *, quiet: bool) -> bytes:
+    """Send a streamed request; print the answer's pieces as they arrive (thinking to stderr)."""
+
+    async def go() -> bytes:
+        nc = await open_client()
+        final = b""
+        try:
+            async for item in stream_call(nc, subject, body, timeout_s):
+                if isinstance(item, bytes):
+                    final = item
+                elif not quiet:
+                    if item.thinking:
+                        print(item.thinking, end="", file=sys.stderr, flush=True)
+                    if item.response:
+                        print(item.response, end="", flush=True)
+        finally:
+            await nc.close()
+        if not quiet:
+            print()
+        return final
+
+    setup_logging("error", "console", stream=sys.stderr)
+    return asyncio.run(go())
+
+
 def cmd_ask(args: argparse.Namespace) -> int:
+    if not args.model and args.task_type != "web_search":
+        print("error bad_usage: --model is required unless --type web_search", file=sys.stderr)
+        return EXIT_USAGE
     request = route.RouteRequest(
         prompt=args.prompt,
-        model=args.model,
+        # A web search without --model is summarised by the web worker's own model.
+        model=args.model or route.DEFAULT_MODEL,
+        task_type=args.task_type,
         worker=args.worker,
         domain=args.domain,
         wait=True,
@@ -149,7 +203,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
     )
     # The router waits for the task's own timeout plus a margin; wait a little longer than that.
     budget = (args.timeout or 300.0) + 60.0
-    body = _request(ROUTE, _json.encode(request), budget)
+    if args.stream:
+        request = msgspec.structs.replace(request, stream=True)
+        body = _stream_request(ROUTE, _json.encode(request), budget, quiet=args.json)
+    else:
+        body = _request(ROUTE, _json.encode(request), budget)
     if args.json:
         print(body.decode())
     reply = msgspec.json.decode(body, type=route.RouteReply)
@@ -160,9 +218,22 @@ def cmd_ask(args: argparse.Namespace) -> int:
         )
         return EXIT_FAILED
     if not args.json:
-        print(reply.response or "")
+        if not args.stream:
+            print(reply.response or "")
+        if reply.sources and reply.note is None:
+            # With a note the response already is the plain list of sources.
+            print_sources(reply.sources)
         print(f"task {reply.task_id} done on {reply.worker}", file=sys.stderr)
+        if reply.note:
+            print(f"note: {reply.note}", file=sys.stderr)
     return 0
+
+
+def print_sources(sources: Sequence[route.Source]) -> None:
+    """A web-search answer's sources, numbered as the answer cites them: ``[n] title`` + url."""
+    print("\nSources:")
+    for n, source in enumerate(sources, start=1):
+        print(f"[{n}] {source.title}\n    {source.url}")
 
 
 def cmd_task(args: argparse.Namespace) -> int:
@@ -234,6 +305,10 @@ def cmd_schemas_export(args: argparse.Namespace) -> int:
         "TaskMessage": tasks.TaskMessage,
         "TaskEvent": events.TaskEvent,
         "WorkerEvent": events.WorkerEvent,
+        "StatsEvent": events.StatsEvent,
+        "QualityEvent": events.QualityEvent,
+        "BenchEvent": events.BenchEvent,
+        "RoutingFigure": stats.RoutingFigure,
         "WorkerRecord": workers.WorkerRecord,
         "TaskQuery": queries.TaskQuery,
         "TaskView": queries.TaskView,

@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from schemas.subjects import WEB_POOL, WEB_QUEUE, Tier, worker_queue
+from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE, Tier, worker_queue
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
 from services.runtime.errors import NoWorker
+
+# The worker name a task on the shared CPU queue is routed to.
+SHARED_WORKER = "shared"
 
 
 class WorkerUnavailable(NoWorker):
@@ -22,9 +25,13 @@ class WorkerUnavailable(NoWorker):
     code = "worker_unavailable"
 
 
-# Typical duration (ms) assumed for a worker with no figures yet; only the ratio between
-# candidates matters, so any positive constant gives "least loaded first".
+# Typical duration (ms) assumed when no worker has figures for the model yet; only the ratio
+# between candidates matters, so any positive constant gives "least loaded first".
 PRIOR_TYPICAL_MS = 1_000.0
+
+# A failure rate is capped so that a worker with a bad spell is avoided, not banished: at the
+# cap its expected time is ten times its typical one.
+MAX_FAILURE_RATE = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +61,13 @@ def live(records: Iterable[WorkerRecord], now: float, ttl_s: float) -> list[Work
     return [r for r in records if now - r.heartbeat_at < ttl_s and r.state != "stopping"]
 
 
-def expected_completion_ms(depth: int, typical_ms: float = PRIOR_TYPICAL_MS) -> float:
-    """(tasks queued or running on the worker + 1) × its typical duration."""
-    return (depth + 1) * typical_ms
+def expected_completion_ms(
+    depth: int, typical_ms: float = PRIOR_TYPICAL_MS, failure_rate: float = 0.0
+) -> float:
+    """(tasks queued or running on the worker + 1) × its typical duration, penalised by its
+    recent failure rate: a task fails with probability p and is then run again elsewhere, so
+    on average it costs 1 / (1 - p) runs."""
+    return (depth + 1) * typical_ms / (1.0 - min(max(failure_rate, 0.0), MAX_FAILURE_RATE))
 
 
 def choose(
@@ -66,13 +77,21 @@ def choose(
     designated: str | None = None,
     gpu_models: Collection[str] = (),
     depth: Mapping[str, int] | None = None,
+    typical_ms: Mapping[str, float] | None = None,
+    failure_rate: Mapping[str, float] | None = None,
 ) -> Decision:
     """Pick the worker for one task among live ``workers``, or raise `NoWorker`.
 
-    ``depth`` is the number of tasks queued or running per worker id. Ties go to the smallest
-    worker id, so the same state always gives the same answer.
+    ``depth`` is the number of tasks queued or running per worker id; ``typical_ms`` and
+    ``failure_rate`` are each worker's figures for this model and domain (`PRIOR_TYPICAL_MS`
+    and 0 where absent). Among the candidates the least expected completion time wins; ties
+    go to the smallest worker id, so the same state always gives the same answer. When every
+    CPU candidate is busy and every live CPU worker serves the model, the task goes to the
+    shared CPU queue instead, where whichever worker frees up first takes it.
     """
     depths = depth or {}
+    typical = typical_ms or {}
+    failures = failure_rate or {}
     if designated is not None:
         return _designated(model, workers, designated)
 
@@ -89,11 +108,35 @@ def choose(
     else:
         pool, why = serving, "least expected completion time"
 
-    best = min(
-        pool, key=lambda w: (expected_completion_ms(depths.get(w.worker_id, 0)), w.worker_id)
-    )
+    def expected(w: WorkerRecord) -> float:
+        return expected_completion_ms(
+            depths.get(w.worker_id, 0),
+            typical.get(w.worker_id, PRIOR_TYPICAL_MS),
+            failures.get(w.worker_id, 0.0),
+        )
+
+    best = min(pool, key=lambda w: (expected(w), w.worker_id))
     tier = tier_of(best)
+    if tier == "cpu" and _shared_fits(model, pool, workers, depths):
+        return Decision(SHARED_WORKER, "cpu", SHARED_CPU_QUEUE, "every cpu worker busy; shared")
     return Decision(best.worker_id, tier, worker_queue(tier, best.worker_id), why)
+
+
+def _shared_fits(
+    model: str,
+    pool: Collection[WorkerRecord],
+    workers: Collection[WorkerRecord],
+    depths: Mapping[str, int],
+) -> bool:
+    """The shared queue helps only when more than one CPU worker could take the task, all of
+    them are busy, and every CPU worker that pulls the shared queue serves the model."""
+    cpu_pool = [w for w in pool if tier_of(w) == "cpu"]
+    cpu_all = [w for w in _inference(workers) if tier_of(w) == "cpu"]
+    return (
+        len(cpu_pool) > 1
+        and all(depths.get(w.worker_id, 0) > 0 for w in cpu_pool)
+        and all(model in w.models for w in cpu_all)
+    )
 
 
 def choose_web(workers: Collection[WorkerRecord]) -> Decision:
@@ -129,3 +172,27 @@ def _why_nobody(model: str, workers: Collection[WorkerRecord]) -> str:
         f"no live worker serves model '{model}' "
         f"(live workers: {len(workers)}; models they serve: {', '.join(served) or 'none'})"
     )
+
+
+def choose_sleeper(
+    model: str, sleepers: Collection[WorkerRecord], *, designated: str | None = None
+) -> WorkerRecord | None:
+    """A sleeping worker that serves ``model`` and can be woken (it left a MAC), or None.
+
+    Asked only when no live worker can take the task; the smallest id wins, for determinism.
+    """
+    able = [
+        s
+        for s in sleepers
+        if model in s.models
+        and s.wol_mac
+        and (designated is None or s.worker_id == designated)
+        and INFERENCE_CAPABILITIES.intersection(s.supports)
+    ]
+    return min(able, key=lambda s: s.worker_id) if able else None
+
+
+def decision_for(record: WorkerRecord, reason: str) -> Decision:
+    """Route to ``record``'s own queue for its tier."""
+    tier = tier_of(record)
+    return Decision(record.worker_id, tier, worker_queue(tier, record.worker_id), reason)

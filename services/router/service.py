@@ -6,6 +6,7 @@ import asyncio
 import math
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import suppress
 
 import msgspec
@@ -25,46 +26,65 @@ from schemas.events import (
     TaskFailed,
     TaskRouted,
     TaskSubmitted,
+    WakeRequested,
     encoder,
     task_event_decoder,
 )
 from schemas.queries import WorkersReply, WorkerView
 from schemas.route import RouteReply, RouteRequest
 from schemas.subjects import (
+    ASLEEP_BUCKET,
     EVENTS_STREAM,
     ROUTE,
+    STATS_BUCKET,
+    TASKS_STREAM,
     WORKERS,
     InvalidId,
     check_token,
     task_event,
 )
 from schemas.tasks import TaskMessage
-from schemas.workers import worker_record_decoder
+from schemas.workers import WorkerRecord, worker_record_decoder
 from services import __version__
 from services.router import policy
-from services.router.view import FleetView
-from services.runtime.bus import connect, ensure_streams, publish_event
-from services.runtime.endpoints import add_endpoint
+from services.router.view import Figure, FleetView
+from services.router.wol import send_magic_packet
+from services.runtime.aliases import AliasFollower
+from services.runtime.bus import connect, ensure_bucket, ensure_streams, publish_event
+from services.runtime.endpoints import add_endpoint, reply_subject
 from services.runtime.errors import (
     BadRequest,
-    CoordinatorError,
+    NoWorker,
     PromptTooLarge,
     Unavailable,
     WaitTimeout,
 )
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import RouterSettings
+from services.stats.domains import classify_domain
 
 log = structlog.get_logger("router")
 
 _route_decoder = msgspec.json.Decoder(RouteRequest)
 
+
+class _FigureView(msgspec.Struct, frozen=True):
+    """The fields of a ``stats`` bucket value that routing uses."""
+
+    model: str
+    domain: str
+    worker: str
+    recent_failure_rate: float = 0.0
+    typical_ms: float | None = None
+
+
+_figure_decoder = msgspec.json.Decoder(_FigureView)
+
+# A sleeping worker is sent at most one magic packet in this many seconds.
+WAKE_RESEND_S = 10.0
+
 # Extra time a waiting request allows beyond the task's own timeout: queueing and event delivery.
 WAIT_MARGIN_S = 30.0
-
-
-class Unsupported(CoordinatorError):
-    code = "unsupported"
 
 
 def new_task_id() -> str:
@@ -100,8 +120,6 @@ def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
             check_token("domain", request.domain)
     except InvalidId as exc:
         raise BadRequest(str(exc)) from None
-    if request.stream:
-        raise Unsupported("streaming replies are not available yet; send stream=false")
     return request
 
 
@@ -113,18 +131,26 @@ class Router:
         self.js: JetStreamContext = nc.jetstream()
         self.settings = settings
         self.view = FleetView()
+        self.aliases = AliasFollower(self.js)
+        # Tasks queued for a woken worker -> their message's sequence in TASKS.
+        self._wake_pending: dict[str, int] = {}
+        self._woken: dict[str, float] = {}
         self.tasks = TaskSet()
         self._waiters: dict[str, asyncio.Future[TaskCompleted | TaskFailed]] = {}
-        self._kv: KeyValue | None = None
         self._events_sub: Subscription | None = None
         self._service: Service | None = None
-        self._watch_ready = asyncio.Event()
 
     async def start(self) -> None:
-        self._kv = await ensure_streams(self.js, worker_ttl_s=self.settings.worker_ttl_s)
+        workers = await ensure_streams(self.js, worker_ttl_s=self.settings.worker_ttl_s)
+        figures = await ensure_bucket(self.js, STATS_BUCKET, ttl_s=None)
+        sleepers = await ensure_bucket(self.js, ASLEEP_BUCKET, ttl_s=None)
+        await self.aliases.start()
         self._events_sub = await self.nc.subscribe("events.task.>", cb=self._on_task_event)
-        self.tasks.spawn(self._watch_workers(), name="watch-workers")
-        await asyncio.wait_for(self._watch_ready.wait(), timeout=10)
+        ready = [asyncio.Event(), asyncio.Event(), asyncio.Event()]
+        self.tasks.spawn(self._watch(workers, self._on_worker, ready[0]), name="watch-workers")
+        self.tasks.spawn(self._watch(figures, self._on_figure, ready[1]), name="watch-stats")
+        self.tasks.spawn(self._watch(sleepers, self._on_sleeper, ready[2]), name="watch-asleep")
+        await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), timeout=10)
         self._service = await add_service(
             self.nc,
             name="coordinator-router",
@@ -141,33 +167,55 @@ class Router:
         if self._events_sub is not None:
             with suppress(Exception):
                 await self._events_sub.unsubscribe()
+        await self.aliases.stop()
         await self.tasks.wait(timeout_s=1.0)
 
     # -- feeds ---------------------------------------------------------------------------------
 
-    async def _watch_workers(self) -> None:
-        assert self._kv is not None
+    async def _watch(
+        self, kv: KeyValue, on_entry: Callable[[KeyValue.Entry], None], ready: asyncio.Event
+    ) -> None:
+        """Feed every value of ``kv`` (current ones first, then changes) to ``on_entry``."""
         while True:
-            watcher = await self._kv.watchall()
+            watcher = await kv.watchall()
             try:
                 async for entry in watcher:
                     if entry is None:
-                        self._watch_ready.set()
-                        continue
-                    if entry.operation in ("DEL", "PURGE") or not entry.value:
-                        self.view.remove_worker(entry.key)
+                        ready.set()
                         continue
                     try:
-                        self.view.put_worker(worker_record_decoder.decode(entry.value))
+                        on_entry(entry)
                     except msgspec.DecodeError:
-                        log.warning("ignoring malformed worker record", key=entry.key)
+                        log.warning("ignoring a malformed value", key=entry.key)
             except asyncio.CancelledError:
                 with suppress(Exception):
                     await watcher.stop()  # type: ignore[no-untyped-call]
                 raise
 
+    def _on_worker(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.view.remove_worker(entry.key)
+        else:
+            self.view.put_worker(worker_record_decoder.decode(entry.value))
+
+    def _on_sleeper(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.view.remove_sleeper(entry.key)
+        else:
+            self.view.put_sleeper(worker_record_decoder.decode(entry.value))
+
+    def _on_figure(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            return
+        value = _figure_decoder.decode(entry.value)
+        figure = Figure(typical_ms=value.typical_ms, recent_failure_rate=value.recent_failure_rate)
+        self.view.put_figure(value.model, value.domain, value.worker, figure)
+
     async def _on_task_event(self, msg: Msg) -> None:
         kind = msg.subject.rsplit(".", 1)[-1]
+        if kind == "started":
+            self._wake_pending.pop(msg.subject.split(".")[2], None)
+            return
         if kind not in ("routed", "completed", "failed"):
             return
         try:
@@ -206,29 +254,58 @@ class Router:
         return encoder.encode(WorkersReply(workers=workers))
 
     async def handle_route(self, body: bytes) -> bytes:
-        request = parse_route_request(body, self.settings.max_prompt_chars)
+        asked = parse_route_request(body, self.settings.max_prompt_chars)
+        # Requests, registrations and statistics all use the canonical name (lesson 6).
+        request = msgspec.structs.replace(asked, model=self.aliases.canonical(asked.model))
         now = time.time()
         self.view.expire(now, max_age_s=self.settings.default_timeout_s + WAIT_MARGIN_S)
         live = policy.live(self.view.workers.values(), now, self.settings.worker_ttl_s)
+        waking: WorkerRecord | None = None
         if request.task_type == "web_search":
             decision = policy.choose_web(live)
         else:
-            decision = policy.choose(
-                request.model,
-                live,
-                designated=request.worker,
-                gpu_models=self.settings.gpu_models,
-                depth=self.view.depth(),
-            )
+            domain = request.domain or classify_domain(request.prompt)
+            candidates = [w.worker_id for w in live if request.model in w.models]
+            try:
+                decision = policy.choose(
+                    request.model,
+                    live,
+                    designated=request.worker,
+                    gpu_models=self.settings.gpu_models,
+                    depth=self.view.depth(),
+                    typical_ms=self.view.typical_ms(request.model, domain, candidates),
+                    failure_rate=self.view.failure_rate(request.model, domain, candidates),
+                )
+            except NoWorker:
+                sleeper = policy.choose_sleeper(
+                    request.model, self.view.sleepers.values(), designated=request.worker
+                )
+                if sleeper is None:
+                    raise
+                decision = policy.decision_for(sleeper, "sleeping worker woken for the task")
+                waking = sleeper
         task_id = new_task_id()
         timeout_s = request.timeout_s or self.settings.default_timeout_s
         waiter: asyncio.Future[TaskCompleted | TaskFailed] | None = None
-        if request.wait:
+        stream_subject = reply_subject.get() if request.stream else None
+        if request.stream and not stream_subject:
+            raise BadRequest("stream=true needs a reply subject to send the chunks to")
+        if request.wait or request.stream:
             # Registered before anything is published, so the end cannot be missed.
             waiter = asyncio.get_running_loop().create_future()
             self._waiters[task_id] = waiter
         try:
-            await self._submit(request, decision, task_id, timeout_s, now)
+            queued_seq = await self._submit(
+                request,
+                decision,
+                task_id,
+                timeout_s,
+                now,
+                asked_model=asked.model,
+                stream_subject=stream_subject,
+            )
+            if waking is not None:
+                await self._wake(waking, task_id, request.model, queued_seq)
             log.info(
                 "routed",
                 task_id=task_id,
@@ -246,7 +323,8 @@ class Router:
                         worker=decision.worker_id,
                     )
                 )
-            outcome = await self._wait(task_id, waiter, timeout_s + WAIT_MARGIN_S)
+            wake_s = self.settings.wake_wait_s if waking is not None else 0.0
+            outcome = await self._wait(task_id, waiter, timeout_s + wake_s + WAIT_MARGIN_S)
         finally:
             self._waiters.pop(task_id, None)
         if isinstance(outcome, TaskCompleted):
@@ -257,6 +335,10 @@ class Router:
                 worker=outcome.worker,
                 response=outcome.response,
                 thinking=outcome.thinking,
+                model=outcome.model,
+                host=outcome.host,
+                sources=outcome.sources,
+                note=outcome.note,
             )
         else:
             reply = RouteReply(
@@ -275,7 +357,12 @@ class Router:
         task_id: str,
         timeout_s: float,
         now: float,
-    ) -> None:
+        *,
+        asked_model: str,
+        stream_subject: str | None,
+    ) -> int:
+        """Record and queue the task; returns its message's sequence in ``TASKS``."""
+        requested_model = asked_model if asked_model != request.model else None
         try:
             await publish_event(
                 self.js,
@@ -288,6 +375,7 @@ class Router:
                     domain=request.domain,
                     options=request.options,
                     requested_worker=request.worker,
+                    requested_model=requested_model,
                     timeout_s=timeout_s,
                 ),
                 msg_id=f"{task_id}:submitted",
@@ -317,9 +405,10 @@ class Router:
                 options=request.options,
                 timeout_s=timeout_s,
                 stream=request.stream,
+                stream_subject=stream_subject,
                 submitted_at=now,
             )
-            await self.js.publish(
+            ack = await self.js.publish(
                 decision.queue, encoder.encode(message), headers={"Nats-Msg-Id": f"{task_id}:1"}
             )
         except Exception as exc:
@@ -339,6 +428,57 @@ class Router:
                     msg_id=f"{task_id}:failed:router",
                 )
             raise Unavailable(f"task {task_id}: {reason}") from exc
+        return int(ack.seq)
+
+    async def _wake(self, sleeper: WorkerRecord, task_id: str, model: str, seq: int) -> None:
+        """Send the magic packet (at most once per `WAKE_RESEND_S` per worker), record it, and
+        fail the task if the worker has not started it within ``WAKE_WAIT_S``."""
+        assert sleeper.wol_mac is not None
+        now = time.monotonic()
+        if now - self._woken.get(sleeper.worker_id, -WAKE_RESEND_S) >= WAKE_RESEND_S:
+            self._woken[sleeper.worker_id] = now
+            send_magic_packet(sleeper.wol_mac, self.settings.wol_broadcast, self.settings.wol_port)
+            log.info("wake-on-lan sent", worker=sleeper.worker_id, mac=sleeper.wol_mac)
+        await publish_event(
+            self.js,
+            WakeRequested(
+                at=time.time(),
+                worker_id=sleeper.worker_id,
+                mac=sleeper.wol_mac,
+                task_id=task_id,
+                model=model,
+            ),
+        )
+        self._wake_pending[task_id] = seq
+        self.tasks.spawn(self._give_up_waking(sleeper.worker_id, task_id), name="wake-wait")
+
+    async def _give_up_waking(self, worker_id: str, task_id: str) -> None:
+        await asyncio.sleep(self.settings.wake_wait_s)
+        seq = self._wake_pending.pop(task_id, None)
+        if seq is None:
+            return  # started in time
+        try:
+            # Take it out of the queue first, so a late wake cannot run a failed task.
+            await self.js.delete_msg(TASKS_STREAM, seq)
+        except NotFoundError:
+            return  # the worker took it in the last moment
+        reason = (
+            f"worker '{worker_id}' was woken but did not start the task within "
+            f"{self.settings.wake_wait_s:g} s (WAKE_WAIT_S)"
+        )
+        log.warning("wake timed out", task_id=task_id, worker=worker_id)
+        await publish_event(
+            self.js,
+            TaskFailed(
+                at=time.time(),
+                task_id=task_id,
+                attempt=1,
+                worker=worker_id,
+                code="wake_timeout",
+                reason=reason,
+            ),
+            msg_id=f"{task_id}:failed:wake",
+        )
 
     async def _wait(
         self, task_id: str, waiter: asyncio.Future[TaskCompleted | TaskFailed], timeout_s: float

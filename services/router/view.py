@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from schemas.workers import WorkerRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """What routing uses of one (model, domain, worker) from the ``stats`` bucket."""
+
+    typical_ms: float | None
+    recent_failure_rate: float
 
 
 @dataclass
@@ -12,14 +22,69 @@ class FleetView:
     """Registered workers and the tasks routed to each that have not ended yet."""
 
     workers: dict[str, WorkerRecord] = field(default_factory=dict)
+    # Workers whose machine sleeps, with the address to wake them by.
+    sleepers: dict[str, WorkerRecord] = field(default_factory=dict)
     # task id -> (worker id, time routed); entries of lost events expire after a timeout
     inflight: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # (model, domain, worker) -> figure, from the stats service
+    figures: dict[tuple[str, str, str], Figure] = field(default_factory=dict)
+
+    def put_figure(self, model: str, domain: str, worker_id: str, figure: Figure) -> None:
+        self.figures[(model, domain, worker_id)] = figure
+
+    def typical_ms(self, model: str, domain: str, worker_ids: Iterable[str]) -> dict[str, float]:
+        """Each worker's typical duration for the model and domain, as well as it is known.
+
+        In order: the worker's own figure for this domain; the median of its figures for the
+        model in other domains; the median of the other workers' figures for this model and
+        domain (so a new worker is neither favoured nor shunned). Workers with none of these
+        are left out, and the policy gives them its prior.
+        """
+        ids = list(worker_ids)
+        own: dict[str, float] = {}
+        for worker_id in ids:
+            exact = self.figures.get((model, domain, worker_id))
+            if exact is not None and exact.typical_ms is not None:
+                own[worker_id] = exact.typical_ms
+                continue
+            others = [
+                f.typical_ms
+                for (m, _, w), f in self.figures.items()
+                if m == model and w == worker_id and f.typical_ms is not None
+            ]
+            if others:
+                own[worker_id] = statistics.median(others)
+        peers = [
+            f.typical_ms
+            for (m, d, _), f in self.figures.items()
+            if m == model and d == domain and f.typical_ms is not None
+        ]
+        if peers:
+            fallback = statistics.median(peers)
+            for worker_id in ids:
+                own.setdefault(worker_id, fallback)
+        return own
+
+    def failure_rate(self, model: str, domain: str, worker_ids: Iterable[str]) -> dict[str, float]:
+        """Each worker's recent failure rate for the model and domain (absent: unknown)."""
+        rates: dict[str, float] = {}
+        for worker_id in worker_ids:
+            figure = self.figures.get((model, domain, worker_id))
+            if figure is not None:
+                rates[worker_id] = figure.recent_failure_rate
+        return rates
 
     def put_worker(self, record: WorkerRecord) -> None:
         self.workers[record.worker_id] = record
 
     def remove_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+
+    def put_sleeper(self, record: WorkerRecord) -> None:
+        self.sleepers[record.worker_id] = record
+
+    def remove_sleeper(self, worker_id: str) -> None:
+        self.sleepers.pop(worker_id, None)
 
     def routed(self, task_id: str, worker_id: str, at: float) -> None:
         self.inflight[task_id] = (worker_id, at)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import time
 import uuid
 from contextlib import suppress
@@ -21,29 +22,32 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError
 
 from schemas.events import (
-    TERMINAL_KINDS,
     Durations,
     TaskCompleted,
     TaskFailed,
     TaskStarted,
+    WorkerAsleep,
     WorkerRegistered,
     WorkerStopped,
-    task_event_decoder,
 )
-from schemas.subjects import EVENTS_STREAM, TASKS_STREAM, task_event, worker_queue_filter
+from schemas.route import CHUNK_HEADER, StreamChunk
+from schemas.subjects import ASLEEP_BUCKET, SHARED_CPU_QUEUE, TASKS_STREAM, worker_queue_filter
 from schemas.tasks import TaskMessage
 from schemas.workers import WorkerRecord
 from services import __version__
-from services.runtime.bus import connect, ensure_streams, publish_event
+from services.runtime.aliases import AliasFollower
+from services.runtime.bus import connect, ensure_bucket, ensure_streams, publish_event
 from services.runtime.errors import BackendError, BackendUnavailable, ConfigError
 from services.runtime.lease import Lease, LeaseLost
+from services.runtime.outcomes import KeepAlive, store_outcome, stored_outcome
 from services.runtime.settings import WorkerSettings
-from services.worker.backends import Backend
+from services.worker.backends import Backend, OnChunk
 from services.worker.backends.ollama import OllamaBackend
 from services.worker.backends.openai import OpenAIBackend
+from services.worker.idle import should_sleep
 
 log = structlog.get_logger("worker")
 
@@ -53,8 +57,14 @@ _encoder = msgspec.json.Encoder()
 # A prompt any model can answer quickly; it only has to come back without an error.
 SANITY_PROMPT = "Reply with the single word OK."
 
-# How many times an outcome event is retried before the message is returned for redelivery.
-OUTCOME_PUBLISH_TRIES = 5
+
+# The consumer every CPU worker binds for ``tasks.cpu.shared``.
+SHARED_CONSUMER = "cpu-shared"
+SHARED_MAX_ACK_PENDING = 1_000
+# Long-poll times: the own queue long (tasks for this worker), the shared one short (so a task
+# routed to this worker waits at most this long while the worker looks at the shared queue).
+OWN_POLL_S = 1.0
+SHARED_POLL_S = 0.2
 
 
 def consumer_name(worker_id: str) -> str:
@@ -70,14 +80,30 @@ class Worker:
         self.settings = settings
         self.backend = backend
         self.instance_id = uuid.uuid4().hex[:12]
-        self.models: list[str] = []
+        # Model names as the backend serves them; registrations use their canonical names.
+        self.served: list[str] = []
+        self.aliases = AliasFollower(self.js)
         self.started_at = time.time()
         self.current_task: str | None = None
         self.completed = 0
         self.failed = 0
         self.lease: Lease | None = None
+        self.last_activity = self.started_at
+        self.asleep = asyncio.Event()
 
     # -- start ---------------------------------------------------------------------------------
+
+    @property
+    def models(self) -> list[str]:
+        """The canonical names (aliases applied) of the models served: what routing sees."""
+        return list(dict.fromkeys(self.aliases.canonical(name) for name in self.served))
+
+    def backend_name(self, model: str) -> str:
+        """The name the backend knows a model by, for a canonical (or served) name."""
+        for name in self.served:
+            if model in (name, self.aliases.canonical(name)):
+                return name
+        return model
 
     async def discover_models(self, stop: asyncio.Event) -> list[str]:
         """Ask the backend for its models, waiting (and saying so) while it is unreachable."""
@@ -96,8 +122,10 @@ class Worker:
                 await asyncio.wait_for(stop.wait(), timeout=delay)
             delay = min(delay * 2, 30.0)
         wanted = self.settings.worker_models
-        models = [m for m in served if not wanted or m in wanted]
-        missing = sorted(set(wanted) - set(served))
+        models = [
+            m for m in served if not wanted or m in wanted or self.aliases.canonical(m) in wanted
+        ]
+        missing = sorted(set(wanted) - set(served) - {self.aliases.canonical(m) for m in served})
         if missing:
             log.warning("WORKER_MODELS names models the backend does not serve", missing=missing)
         if not models:
@@ -156,13 +184,29 @@ class Worker:
         )
 
     async def ensure_consumer(self) -> JetStreamContext.PullSubscription:
+        """This worker's own queues: one task in flight, enforced by the server."""
         name = consumer_name(self.settings.worker_id)
+        return await self._bind(name, worker_queue_filter(self.settings.worker_id), 1)
+
+    async def ensure_shared_consumer(self) -> JetStreamContext.PullSubscription | None:
+        """The shared CPU queue, for CPU workers; every such worker binds the same consumer.
+
+        Its ``max_ack_pending`` is the pool's: the one-at-a-time rule per worker is kept by the
+        worker's loop, which holds at most one message from all its queues together.
+        """
+        if not self.settings.shared_queue or "cpu_inference" not in self.settings.worker_supports:
+            return None
+        return await self._bind(SHARED_CONSUMER, SHARED_CPU_QUEUE, SHARED_MAX_ACK_PENDING)
+
+    async def _bind(
+        self, name: str, subject: str, max_ack_pending: int
+    ) -> JetStreamContext.PullSubscription:
         config = ConsumerConfig(
             durable_name=name,
-            filter_subject=worker_queue_filter(self.settings.worker_id),
+            filter_subject=subject,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
-            max_ack_pending=1,
+            max_ack_pending=max_ack_pending,
             ack_wait=self.settings.ack_wait_s,
         )
         try:
@@ -179,10 +223,16 @@ class Worker:
 
     async def start(self, stop: asyncio.Event) -> JetStreamContext.PullSubscription:
         """Learn the models, take the lease, bind the consumer and announce the worker."""
-        self.models = await self.sanity_check(await self.discover_models(stop))
         kv = await ensure_streams(self.js, worker_ttl_s=self.settings.worker_ttl_s)
+        await self.aliases.start()
+        self.served = await self.sanity_check(await self.discover_models(stop))
         self.lease = Lease(kv, self.settings.worker_id, self.settings.worker_ttl_s, self.record)
         await self.lease.acquire()
+        # Awake again: no longer a sleeper for the router to wake.
+        with suppress(Exception):
+            await (await ensure_bucket(self.js, ASLEEP_BUCKET, ttl_s=None)).delete(
+                self.settings.worker_id
+            )
         sub = await self.ensure_consumer()
         await publish_event(
             self.js,
@@ -208,35 +258,76 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         """Start, pull tasks until ``stop`` (or the lease is lost), then stop cleanly."""
         sub = await self.start(stop)
+        shared = await self.ensure_shared_consumer()
         assert self.lease is not None
         beats = asyncio.create_task(self.lease.keep(self.settings.heartbeat_interval_s))
+        idle = asyncio.create_task(self._idle_watch())
         try:
-            await self.serve(sub, stop)
+            await self.serve(sub, stop, shared)
         finally:
-            beats.cancel()
-            with suppress(asyncio.CancelledError):
-                await beats
-            with suppress(Exception):
-                await sub.unsubscribe()
-            await self._deregister("lease lost" if self.lease.lost.is_set() else "stopped")
+            for background in (beats, idle):
+                background.cancel()
+                with suppress(asyncio.CancelledError):
+                    await background
+            for bound in (sub, shared):
+                if bound is not None:
+                    with suppress(Exception):
+                        await bound.unsubscribe()
+            if self.asleep.is_set():
+                await self._go_to_sleep()
+            else:
+                await self._deregister("lease lost" if self.lease.lost.is_set() else "stopped")
+            await self.aliases.stop()
         log.info("worker stopped", completed=self.completed, failed=self.failed)
         if self.lease.lost.is_set():
             raise LeaseLost(f"worker '{self.settings.worker_id}' stopped: its lease was taken over")
 
-    async def serve(self, sub: JetStreamContext.PullSubscription, stop: asyncio.Event) -> None:
-        """Pull and run tasks one at a time until ``stop`` is set or the lease is lost."""
+    async def serve(
+        self,
+        sub: JetStreamContext.PullSubscription,
+        stop: asyncio.Event,
+        shared: JetStreamContext.PullSubscription | None = None,
+    ) -> None:
+        """Pull and run tasks one at a time until ``stop`` is set or the lease is lost.
+
+        The worker's own queue is asked first and longest; the shared queue briefly, and only
+        when the own queue had nothing. After any task the own queue comes first again.
+        """
         lost = self.lease.lost if self.lease is not None else asyncio.Event()
-        while not stop.is_set() and not lost.is_set():
-            try:
-                msgs = await sub.fetch(1, timeout=1.0)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except Exception as exc:
-                log.warning("fetch failed", error=repr(exc))
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                await self._run_guarded(msg, stop)
+        sources = [(sub, OWN_POLL_S)] + ([(shared, SHARED_POLL_S)] if shared else [])
+        while not (stop.is_set() or lost.is_set() or self.asleep.is_set()):
+            for source, poll_s in sources:
+                msg = await self._fetch_one(source, poll_s)
+                if msg is not None:
+                    if source is shared and not await self._serves(msg):
+                        continue
+                    await self._run_guarded(msg, stop)
+                    break
+
+    async def _fetch_one(
+        self, source: JetStreamContext.PullSubscription, poll_s: float
+    ) -> Msg | None:
+        try:
+            msgs = await source.fetch(1, timeout=poll_s)
+        except (nats.errors.TimeoutError, TimeoutError):
+            return None
+        except Exception as exc:
+            log.warning("fetch failed", error=repr(exc))
+            await asyncio.sleep(0.5)
+            return None
+        return msgs[0] if msgs else None
+
+    async def _serves(self, msg: Msg) -> bool:
+        """A shared task for a model this worker lacks goes back for another worker."""
+        try:
+            model = _task_decoder.decode(msg.data).model
+        except msgspec.DecodeError:
+            return True  # handle() terminates it with a log line
+        if model in self.models:
+            return True
+        log.info("shared task for a model not served here; returned", model=model)
+        await msg.nak(delay=1)
+        return False
 
     async def _run_guarded(self, msg: Msg, stop: asyncio.Event) -> None:
         """Run one task; on stop, give it ``stop_grace_s`` and then return it to the queue."""
@@ -302,6 +393,7 @@ class Worker:
             return
         finally:
             self.current_task = None
+            self.last_activity = time.time()
         if isinstance(outcome, TaskCompleted):
             self.completed += 1
             bound.info("task done", total_ms=round(outcome.durations.total_ms, 1))
@@ -310,31 +402,18 @@ class Worker:
             bound.warning("task failed", code=outcome.code, reason=outcome.reason)
 
     async def _generate(self, task: TaskMessage, msg: Msg) -> TaskCompleted | TaskFailed:
-        last_progress = time.monotonic()
-        interval = self.settings.ack_wait_s / 3
-
-        async def progress() -> None:
-            nonlocal last_progress
-            if time.monotonic() - last_progress >= interval:
-                last_progress = time.monotonic()
-                await msg.in_progress()
-
-        async def keepalive() -> None:
-            # Also while the backend is silent (loading a model, thinking without streaming).
-            while True:
-                await asyncio.sleep(interval)
-                await progress()
-
-        alive = asyncio.create_task(keepalive())
+        on_chunk = self._chunk_publisher(task) if task.stream_subject else None
         started = time.perf_counter()
         try:
-            result = await self.backend.generate(
-                task.model,
-                task.prompt,
-                options=task.options,
-                timeout_s=task.timeout_s,
-                progress=progress,
-            )
+            async with KeepAlive(msg, self.settings.ack_wait_s) as alive:
+                result = await self.backend.generate(
+                    self.backend_name(task.model),
+                    task.prompt,
+                    options=task.options,
+                    timeout_s=task.timeout_s,
+                    progress=alive.progress,
+                    on_chunk=on_chunk,
+                )
         except BackendError as exc:
             return TaskFailed(
                 at=time.time(),
@@ -346,8 +425,6 @@ class Worker:
                 retryable=exc.retryable,
                 durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
             )
-        finally:
-            alive.cancel()
         return TaskCompleted(
             at=time.time(),
             task_id=task.task_id,
@@ -362,33 +439,75 @@ class Worker:
             tokens=result.tokens,
         )
 
+    def _chunk_publisher(self, task: TaskMessage) -> OnChunk:
+        """Publish each piece to the task's stream subject (core NATS: a lost chunk is only a
+        gap on the screen; the whole answer is in the outcome event)."""
+        subject = task.stream_subject or ""
+        seq = 0
+
+        async def publish(response: str, thinking: str) -> None:
+            nonlocal seq
+            seq += 1
+            chunk = StreamChunk(task_id=task.task_id, seq=seq, response=response, thinking=thinking)
+            await self.nc.publish(subject, _encoder.encode(chunk), headers={CHUNK_HEADER: str(seq)})
+
+        return publish
+
     async def _store_outcome(self, outcome: TaskCompleted | TaskFailed) -> None:
-        # The message id makes a retried publish (or a redelivered task) store one outcome.
-        msg_id = f"{outcome.task_id}:{outcome.attempt}:outcome"
-        delay = 0.2
-        for attempt in range(OUTCOME_PUBLISH_TRIES):
-            try:
-                await publish_event(self.js, outcome, msg_id=msg_id)
-                return
-            except Exception as exc:
-                if attempt == OUTCOME_PUBLISH_TRIES - 1:
-                    raise
-                log.warning(
-                    "storing the outcome failed; retrying", task_id=outcome.task_id, error=repr(exc)
-                )
-                await asyncio.sleep(delay)
-                delay *= 2
+        await store_outcome(self.js, outcome)
 
     async def _already_ended(self, task: TaskMessage) -> bool:
-        for kind in TERMINAL_KINDS:
-            try:
-                stored = await self.js.get_last_msg(EVENTS_STREAM, task_event(task.task_id, kind))
-            except NotFoundError:
-                continue
-            event = task_event_decoder.decode(stored.data or b"")
-            if isinstance(event, TaskCompleted | TaskFailed) and event.attempt >= task.attempt:
-                return True
-        return False
+        return await stored_outcome(self.js, task.task_id, task.attempt) is not None
+
+    async def _idle_watch(self) -> None:
+        """With idle shutdown configured, set ``asleep`` once the worker has idled long enough."""
+        idle_s = self.settings.idle_shutdown_sec
+        if idle_s is None:
+            return
+        while True:
+            await asyncio.sleep(self.settings.idle_check_interval_sec)
+            if should_sleep(
+                now=time.time(),
+                started_at=self.started_at,
+                last_activity=self.last_activity,
+                busy=self.current_task is not None,
+                idle_shutdown_s=idle_s,
+                min_uptime_s=self.settings.min_uptime_sec,
+            ):
+                log.info("idle; going to sleep", idle_s=round(time.time() - self.last_activity))
+                self.asleep.set()
+                return
+
+    async def _go_to_sleep(self) -> None:
+        """Leave a wake address for the router, deregister, then run the shutdown command."""
+        record = msgspec.structs.replace(self.record(), state="asleep", current_task=None)
+        try:
+            sleepers = await ensure_bucket(self.js, ASLEEP_BUCKET, ttl_s=None)
+            await sleepers.put(self.settings.worker_id, _encoder.encode(record))
+            await publish_event(
+                self.js,
+                WorkerAsleep(
+                    at=time.time(),
+                    worker_id=self.settings.worker_id,
+                    instance_id=self.instance_id,
+                    models=self.models,
+                    wol_mac=self.settings.wol_mac,
+                    idle_s=time.time() - self.last_activity,
+                ),
+            )
+        except Exception as exc:
+            log.error("could not record going to sleep", error=repr(exc))
+        await self._deregister("idle shutdown")
+        command = shlex.split(self.settings.shutdown_command)
+        log.info("running the shutdown command", command=command)
+        try:
+            proc = await asyncio.create_subprocess_exec(*command)
+            code = await proc.wait()
+        except OSError as exc:
+            log.error("shutdown command failed to start", command=command, error=str(exc))
+            return
+        if code != 0:
+            log.error("shutdown command failed", command=command, exit_code=code)
 
     async def _deregister(self, reason: str) -> None:
         if self.lease is None:

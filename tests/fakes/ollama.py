@@ -17,7 +17,8 @@ model handler refuses (an unknown model included: 404, ``model 'x' not found``).
 
 Answers are deterministic: a prompt holding a small integer sum or product (``"1+1は？"``,
 ``"what is 6*7"``) is answered with the result; anything else is echoed back as
-``"Echo from <model>: <prompt[:200]>"``. Models listed in ``thinking_models`` (and served)
+``"Echo from <model>: <prompt[:200]>"``, unless the ``replies`` knob names an answer for a
+substring of the prompt. Models listed in ``thinking_models`` (and served)
 also produce a ``thinking`` text, kept apart from the answer as Ollama does.
 
 Behaviour is steered through attributes (``delay_s``, ``fail_status``, ``models``, ...), from
@@ -88,6 +89,7 @@ _KNOBS = (
     "chunk_delay_s",
     "error_after_chunks",
     "drop_after_chunks",
+    "replies",
 )
 
 # "1+1", "12 * 3", "２×３" (full-width digits and signs too); no minus, it would catch dates.
@@ -284,6 +286,15 @@ def _openai_model(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": _MODIFIED_UNIX, "owned_by": _namespace(name)}
 
 
+def _copy(value: Any) -> Any:
+    """A knob's value, with lists and dicts copied so callers cannot change the fake's."""
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
+
+
 def _check_knob(name: str, value: object) -> Any:
     """The validated value for knob ``name``; ValueError when it does not fit."""
     if name in ("delay_s", "load_ms", "chunk_delay_s"):
@@ -308,6 +319,12 @@ def _check_knob(name: str, value: object) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be null or an integer >= 0")
         return value
+    if name == "replies":
+        if not isinstance(value, dict) or not all(
+            isinstance(key, str) and key and isinstance(text, str) for key, text in value.items()
+        ):
+            raise ValueError("replies must map non-empty prompt substrings to answer texts")
+        return dict(value)
     raise ValueError(f"unknown knob {name!r}; known: {', '.join(_KNOBS)}")
 
 
@@ -355,7 +372,9 @@ class FakeOllama:
     - ``error_after_chunks``: after N streamed pieces, send Ollama's mid-stream
       ``{"error": ...}`` line and end the stream (no ``done`` line); on ``/v1`` an SSE event
       ``data: {"error": {...}}`` and the end, with no ``finish_reason`` and no ``[DONE]``;
-    - ``drop_after_chunks``: after N streamed pieces, cut the connection (a crash).
+    - ``drop_after_chunks``: after N streamed pieces, cut the connection (a crash);
+    - ``replies``: ``{substring: answer}``; a prompt containing a substring gets that answer
+      (the first that matches, in order) instead of the usual one: a judge's verdict, say.
     """
 
     def __init__(
@@ -368,6 +387,7 @@ class FakeOllama:
         delay_s: float = 0.0,
         fail_status: int | None = None,
         load_ms: float = 0.0,
+        replies: dict[str, str] | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -380,6 +400,7 @@ class FakeOllama:
             "chunk_delay_s": 0.0,
             "error_after_chunks": None,
             "drop_after_chunks": None,
+            "replies": _check_knob("replies", dict(replies or {})),
         }
         self.delay_s: float = 0.0
         self.fail_status: int | None = None
@@ -389,6 +410,7 @@ class FakeOllama:
         self.chunk_delay_s: float = 0.0
         self.error_after_chunks: int | None = None
         self.drop_after_chunks: int | None = None
+        self.replies: dict[str, str] = {}
         self._lock = threading.Lock()
         self._generate_calls = 0
         self._chat_calls = 0
@@ -477,11 +499,7 @@ class FakeOllama:
         return self.config()
 
     def config(self) -> dict[str, Any]:
-        return {
-            name: list(value) if isinstance(value, list) else value
-            for name in _KNOBS
-            for value in [getattr(self, name)]
-        }
+        return {name: _copy(getattr(self, name)) for name in _KNOBS}
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -509,7 +527,7 @@ class FakeOllama:
 
     def _apply_defaults(self) -> None:
         for name, value in self._defaults.items():
-            setattr(self, name, list(value) if isinstance(value, list) else value)
+            setattr(self, name, _copy(value))
 
     def _knobs(self) -> _Knobs:
         return _Knobs(
@@ -521,6 +539,13 @@ class FakeOllama:
         )
 
     # ---------------------------------------------------------------- used by the handler
+
+    def _reply(self, prompt: str) -> str | None:
+        """The ``replies`` answer for ``prompt``, or None when no substring matches."""
+        for key, text in dict(self.replies).items():
+            if key in prompt:
+                return text
+        return None
 
     def _find(self, name: str) -> str | None:
         """The served model ``name`` refers to (its normalized name), or None."""
@@ -916,7 +941,9 @@ class _Handler(BaseHTTPRequestHandler):
         response_pieces: list[str] = []
         done_reason = "load"
         if not ask.empty:
-            answer = _answer(model, ask.prompt)
+            answer = fake._reply(ask.prompt)
+            if answer is None:
+                answer = _answer(model, ask.prompt)
             thinking_pieces = _pieces(_thinking(ask.prompt, answer)) if think_on else []
             response_pieces = _pieces(answer)
             done_reason = "stop"

@@ -20,7 +20,7 @@ async def main(stop: asyncio.Event) -> None:
     nc = await connect(settings.nats_url, "second-puller")
     backend = make_backend(settings)
     worker = Worker(nc, settings, backend)
-    worker.models = await worker.discover_models(stop)
+    worker.served = await worker.discover_models(stop)
     sub = await worker.ensure_consumer()
     print("bound", flush=True)
     try:

@@ -117,6 +117,10 @@ async def test_a_killed_workers_lease_frees_itself_after_its_ttl(
     await asyncio.to_thread(first.wait)
     assert "cpu-1" in await registry(nc)  # nobody said goodbye
 
+    async def freed() -> bool:
+        return "cpu-1" not in await registry(nc)
+
+    await eventually(freed, timeout_s=10)  # the bucket's TTL (WORKER_TTL_S) removed it
     second = processes.start([COORDINATOR, "worker"], env)
 
     async def taken_over() -> bool:

@@ -216,6 +216,35 @@ def test_fail_status_over_http_and_reset(fake: FakeOllama, client: httpx.Client)
     assert client.get("/_fake/stats").json()["generate_calls"] == 1
 
 
+def test_replies_answer_prompts_containing_a_substring(
+    fake: FakeOllama, client: httpx.Client
+) -> None:
+    config = client.post(
+        "/_fake/config", json={"replies": {"<answer>\nfour": "SCORE: 0.9\nCorrect."}}
+    )
+    assert config.status_code == 200
+    assert config.json()["replies"] == {"<answer>\nfour": "SCORE: 0.9\nCorrect."}
+
+    judged = generate(
+        client, model="gemma3:1b", prompt="Judge this.\n<answer>\nfour\n</answer>", stream=False
+    )
+    streamed = stream_lines(client, "/api/generate", model="gemma3:1b", prompt="<answer>\nfour")
+    other = generate(client, model="gemma3:1b", prompt="what is 6*7", stream=False)
+
+    assert judged.json()["response"] == "SCORE: 0.9\nCorrect."
+    assert "".join(line["response"] for line in streamed) == "SCORE: 0.9\nCorrect."
+    assert other.json()["response"] == "42"  # no substring matched: the usual answer
+    assert client.post("/_fake/config", json={"replies": ["x"]}).status_code == 400
+    assert client.post("/_fake/config", json={"replies": {"": "x"}}).status_code == 400
+    fake.reset()
+    assert fake.replies == {}
+    with FakeOllama(replies={"hi": "hello"}) as preset:
+        preset.replies["hi"] = "changed"  # the attribute is the fake's own copy
+        assert preset.config()["replies"] == {"hi": "changed"}
+        preset.reset()
+        assert preset.replies == {"hi": "hello"}
+
+
 def test_mid_stream_error_and_dropped_connection(fake: FakeOllama, client: httpx.Client) -> None:
     prompt = "one two three four five six"
     fake.error_after_chunks = 2

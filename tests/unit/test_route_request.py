@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.service import Unsupported, new_task_id, parse_route_request
+from services.router.service import new_task_id, parse_route_request
 from services.runtime.errors import BadRequest, PromptTooLarge
 
 
@@ -27,7 +27,6 @@ def test_a_minimal_request_gets_defaults() -> None:
         (b'{"prompt": "hi", "model": " "}', BadRequest, "model must not be empty"),
         (b'{"prompt": "hi", "model": "m", "domain": "a b"}', BadRequest, "invalid domain"),
         (b'{"prompt": "hello", "model": "m"}', PromptTooLarge, "5 characters, over the limit of 4"),
-        (b'{"prompt": "hi", "model": "m", "stream": true}', Unsupported, "streaming"),
     ],
 )
 def test_refusals_say_what_is_wrong(body: bytes, error: type[Exception], words: str) -> None:

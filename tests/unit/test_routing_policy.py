@@ -46,10 +46,42 @@ def test_models_outside_gpu_models_go_to_the_least_loaded_worker_of_any_tier() -
 
 
 def test_among_equals_the_least_loaded_wins_and_ties_go_to_the_smallest_id() -> None:
-    fleet = [worker("b", "m"), worker("a", "m"), worker("c", "m")]
+    fleet = [worker("b", "m", gpu=True), worker("a", "m", gpu=True), worker("c", "m", gpu=True)]
     assert choose("m", fleet).worker_id == "a"
     assert choose("m", fleet, depth={"a": 1}).worker_id == "b"
     assert choose("m", fleet, depth={"a": 1, "b": 1, "c": 1}).worker_id == "a"
+
+
+def test_a_slower_worker_gets_the_task_when_the_faster_one_is_loaded_enough() -> None:
+    fleet = [worker("fast", "m", gpu=True), worker("slow", "m", gpu=True)]
+    typical = {"fast": 1_000.0, "slow": 2_500.0}
+    assert choose("m", fleet, typical_ms=typical, depth={"fast": 1}).worker_id == "fast"
+    assert choose("m", fleet, typical_ms=typical, depth={"fast": 2}).worker_id == "slow"
+
+
+def test_a_worker_that_fails_often_is_avoided_but_not_banished() -> None:
+    fleet = [worker("flaky", "m", gpu=True), worker("steady", "m", gpu=True)]
+    rates = {"flaky": 0.5}
+    assert choose("m", fleet, failure_rate=rates).worker_id == "steady"
+    assert choose("m", fleet, failure_rate={"flaky": 1.0}, depth={"steady": 12}).worker_id == (
+        "flaky"
+    )
+
+
+def test_when_every_cpu_worker_is_busy_the_task_goes_to_the_shared_cpu_queue() -> None:
+    fleet = [worker("a", "m"), worker("b", "m")]
+    decision = choose("m", fleet, depth={"a": 1, "b": 2})
+    assert (decision.worker_id, decision.queue) == ("shared", "tasks.cpu.shared")
+    assert choose("m", fleet, depth={"a": 1}).worker_id == "b"
+
+
+def test_the_shared_queue_is_not_used_when_some_cpu_worker_lacks_the_model() -> None:
+    fleet = [worker("a", "m"), worker("b", "m"), worker("c", "other")]
+    assert choose("m", fleet, depth={"a": 1, "b": 1}).worker_id == "a"
+
+
+def test_a_lone_busy_cpu_worker_keeps_its_own_queue() -> None:
+    assert choose("m", [worker("a", "m")], depth={"a": 3}).queue == "tasks.cpu.a"
 
 
 def test_no_live_worker_with_the_model_is_an_error_naming_the_model() -> None:

@@ -10,6 +10,8 @@ from schemas.events import Durations, Tokens
 
 # Called as output arrives, so a long generation can tell the bus it is still working.
 Progress = Callable[[], Awaitable[None]]
+# Called with each piece of output as it arrives: (response piece, thinking piece).
+OnChunk = Callable[[str, str], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +43,9 @@ class Backend(Protocol):
         options: dict[str, Any] | None,
         timeout_s: float,
         progress: Progress | None = None,
+        on_chunk: OnChunk | None = None,
     ) -> Generation:
-        """Run one prompt to completion within ``timeout_s``."""
+        """Run one prompt to completion within ``timeout_s``; ``on_chunk`` sees the pieces."""
         ...
 
     async def aclose(self) -> None: ...

@@ -15,7 +15,7 @@ import msgspec
 
 from schemas.events import Durations, Tokens
 from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
-from services.worker.backends import Generation, Progress
+from services.worker.backends import Generation, OnChunk, Progress
 
 NS_PER_MS = 1_000_000
 
@@ -95,6 +95,7 @@ class OllamaBackend:
         options: dict[str, Any] | None,
         timeout_s: float,
         progress: Progress | None = None,
+        on_chunk: OnChunk | None = None,
     ) -> Generation:
         body: dict[str, Any] = {"model": model, "prompt": prompt, "stream": True}
         if options:
@@ -102,7 +103,7 @@ class OllamaBackend:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._stream(body, started, progress)
+                return await self._stream(body, started, progress, on_chunk)
         except TimeoutError as exc:
             raise BackendTimeout(
                 f"Ollama at {self._base_url} did not finish {model} within {timeout_s:g} s"
@@ -115,7 +116,11 @@ class OllamaBackend:
             ) from exc
 
     async def _stream(
-        self, body: dict[str, Any], started: float, progress: Progress | None
+        self,
+        body: dict[str, Any],
+        started: float,
+        progress: Progress | None,
+        on_chunk: OnChunk | None,
     ) -> Generation:
         response: list[str] = []
         thinking: list[str] = []
@@ -142,6 +147,8 @@ class OllamaBackend:
                     response.append(chunk.response)
                 if chunk.thinking:
                     thinking.append(chunk.thinking)
+                if on_chunk is not None and (chunk.response or chunk.thinking):
+                    await on_chunk(chunk.response, chunk.thinking or "")
                 if progress is not None:
                     await progress()
                 if chunk.done:

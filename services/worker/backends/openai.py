@@ -18,7 +18,7 @@ import msgspec
 
 from schemas.events import Durations, Tokens
 from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
-from services.worker.backends import Generation, Progress
+from services.worker.backends import Generation, OnChunk, Progress
 
 # Ollama's option names mapped to OpenAI's request fields.
 _OPTION_FIELDS = {
@@ -125,6 +125,7 @@ class OpenAIBackend:
         options: dict[str, Any] | None,
         timeout_s: float,
         progress: Progress | None = None,
+        on_chunk: OnChunk | None = None,
     ) -> Generation:
         body: dict[str, Any] = {
             "model": model,
@@ -138,7 +139,7 @@ class OpenAIBackend:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._stream(body, started, progress)
+                return await self._stream(body, started, progress, on_chunk)
         except TimeoutError as exc:
             raise BackendTimeout(
                 f"{self._base_url} did not finish {model} within {timeout_s:g} s"
@@ -151,7 +152,11 @@ class OpenAIBackend:
             ) from exc
 
     async def _stream(
-        self, body: dict[str, Any], started: float, progress: Progress | None
+        self,
+        body: dict[str, Any],
+        started: float,
+        progress: Progress | None,
+        on_chunk: OnChunk | None,
     ) -> Generation:
         response: list[str] = []
         thinking: list[str] = []
@@ -192,6 +197,8 @@ class OpenAIBackend:
                         response.append(delta.content)
                     if think:
                         thinking.append(think)
+                    if on_chunk is not None and (delta.content or think):
+                        await on_chunk(delta.content or "", think or "")
                 if progress is not None:
                     await progress()
         if not finished:

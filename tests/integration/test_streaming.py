@@ -1,0 +1,102 @@
+"""Streaming: pieces reach the client as the backend produces them; the answer is still an event."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from nats.aio.client import Client
+
+from schemas.route import RouteReply, StreamChunk
+from services.cli.client import stream_call
+from tests.fakes.ollama import FakeOllama
+from tests.harness import (
+    ServiceRunner,
+    clean_env,
+    request,
+    run_cli,
+    workers_live,
+)
+from tests.servers import NatsServer
+
+
+async def streamed(nc: Client, model: str, prompt: str) -> tuple[list[StreamChunk], RouteReply]:
+    body = msgspec.json.encode({"prompt": prompt, "model": model, "stream": True})
+    chunks: list[StreamChunk] = []
+    final = b""
+    async for item in stream_call(nc, "coordinator.route", body, timeout_s=20):
+        if isinstance(item, bytes):
+            final = item
+        else:
+            chunks.append(item)
+    return chunks, msgspec.json.decode(final, type=RouteReply)
+
+
+async def test_chunks_arrive_before_the_final_reply_and_add_up_to_the_answer(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    ollama.chunk_delay_s = 0.02
+
+    chunks, reply = await streamed(nc, "qwen2.5:0.5b", "tell me about the weather today")
+
+    assert reply.status == "done"
+    assert len(chunks) > 3
+    assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
+    assert "".join(c.response for c in chunks) == reply.response
+    completed = await nc.jetstream().get_last_msg(
+        "EVENTS", f"events.task.{reply.task_id}.completed"
+    )
+    durations = msgspec.json.decode(completed.data or b"")["durations"]
+    assert 0 < durations["first_token_ms"] <= durations["total_ms"]
+
+
+async def test_thinking_streams_apart_from_the_answer(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    with FakeOllama(models=["qwen3:0.6b"]) as thinker:
+        runner.router(nats_server.url)
+        runner.worker(nats_server.url, thinker.url, "cpu-1")
+        await workers_live(nc, 1)
+
+        chunks, reply = await streamed(nc, "qwen3:0.6b", "1+1は？")
+
+    assert reply.response == "2"
+    assert reply.thinking
+    assert "".join(c.thinking for c in chunks) == reply.thinking
+    assert "".join(c.response for c in chunks) == "2"
+
+
+async def test_a_refused_stream_request_ends_with_the_error(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    body, headers = await request(
+        nc, "coordinator.route", {"prompt": "x", "model": "nope", "stream": True}
+    )
+    assert headers["Nats-Service-Error-Code"] == "no_worker", body
+
+
+async def test_ask_stream_prints_the_answer(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+
+    result = await asyncio.to_thread(
+        run_cli,
+        "ask",
+        "1+1は？",
+        "--model",
+        "qwen2.5:0.5b",
+        "--stream",
+        env=clean_env(NATS_URL=nats_server.url),
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2"
