@@ -573,8 +573,14 @@ class FakeOllama:
             self._cancelled_calls += 1
 
     @contextmanager
-    def _track(self, api: str) -> Iterator[None]:
-        """Count one generation of ``api`` (``generate``, ``chat`` or ``openai``) while it runs."""
+    def _track(self, api: str) -> Iterator[Callable[[], None]]:
+        """Count one generation of ``api`` (``generate``, ``chat`` or ``openai``) while it runs.
+
+        Yields ``release``, which ends the generation's time in flight; the handler calls it
+        just before the last bytes of the answer go out, so that a client holding the whole
+        answer never sees the generation still in flight (one-at-a-time checks would otherwise
+        race the handler thread). Leaving the block releases it too.
+        """
         with self._lock:
             if api == "chat":
                 self._chat_calls += 1
@@ -584,11 +590,19 @@ class FakeOllama:
                 self._generate_calls += 1
             self._in_flight += 1
             self._concurrent_max = max(self._concurrent_max, self._in_flight)
-        try:
-            yield
-        finally:
+        released = False
+
+        def release() -> None:
+            nonlocal released
             with self._lock:
-                self._in_flight -= 1
+                if not released:
+                    released = True
+                    self._in_flight -= 1
+
+        try:
+            yield release
+        finally:
+            release()
 
     def _opened(self, connection: socket.socket) -> None:
         with self._lock:
@@ -675,6 +689,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         self._started = False
+        self._release: Callable[[], None] | None = None
         self._head = method == "HEAD"
         try:
             raw = self._read_body()
@@ -776,9 +791,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self._started = True
+        self._released()
         if not self._head:
             self.wfile.write(data)
             self.wfile.flush()
+
+    def _released(self) -> None:
+        """The answer's last bytes go out next: the generation is no longer in flight."""
+        if self._release is not None:
+            self._release()
+            self._release = None
 
     def _send_json(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
@@ -854,7 +876,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _generation(self, raw: bytes, *, chat: bool) -> None:
         started = time.monotonic_ns()
-        with self._fake._track("chat" if chat else "generate"):
+        with self._fake._track("chat" if chat else "generate") as self._release:
             ask = self._native_ask(raw, chat=chat)
             prepared = self._prepare(ask, chat=chat, started_ns=started)
             if prepared is None:
@@ -1037,11 +1059,14 @@ class _Handler(BaseHTTPRequestHandler):
                 self._cut()
                 return
             if knobs.error_after_chunks is not None and (last or sent >= knobs.error_after_chunks):
+                self._released()
                 write(error)
                 break
             if sent and not self._pause(knobs.chunk_delay_s):
                 self._cut()
                 return
+            if last:
+                self._released()
             for data in final() if piece is None else [piece]:
                 write(data)
         if chunked:
@@ -1064,7 +1089,7 @@ class _Handler(BaseHTTPRequestHandler):
         reads the body (its errors: ``invalid_request_error``), hands it to the chat or generate
         handler (its errors: ``api_error``) and rewrites the answer in OpenAI's shapes."""
         started = time.monotonic_ns()
-        with self._fake._track("openai"):
+        with self._fake._track("openai") as self._release:
             try:
                 ask = self._openai_ask(raw, chat=chat)
             except _ApiError as exc:
