@@ -115,7 +115,7 @@ async def eventually(
     raise AssertionError(f"condition not met within {timeout_s} s (last value: {last!r})")
 
 
-async def workers_live(nc: Client, count: int) -> list[dict[str, Any]]:
+async def workers_live(nc: Client, count: int, timeout_s: float = 20.0) -> list[dict[str, Any]]:
     """Wait until ``coordinator.workers`` lists ``count`` live workers."""
 
     async def check() -> list[dict[str, Any]] | None:
@@ -126,7 +126,7 @@ async def workers_live(nc: Client, count: int) -> list[dict[str, Any]]:
         workers: list[dict[str, Any]] = body["workers"]
         return workers if len(workers) >= count else None
 
-    result: list[dict[str, Any]] = await eventually(check, timeout_s=20.0)
+    result: list[dict[str, Any]] = await eventually(check, timeout_s=timeout_s)
     return result
 
 
