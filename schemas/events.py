@@ -14,25 +14,14 @@ from typing import Any, Final, Literal, assert_never
 
 import msgspec
 
-from schemas.base import Event, Wire
-from schemas.route import Source, TaskType
+from schemas.base import Event
+
+# Defined apart so the route reply can carry them too (schemas.route cannot import this module);
+# re-exported here, where every reader has always imported them from.
+from schemas.measures import Durations as Durations  # noqa: PLC0414
+from schemas.measures import Tokens as Tokens  # noqa: PLC0414
+from schemas.route import ChatMessage, Source, TaskType
 from schemas.subjects import bench_event, quality_event, task_event, worker_event
-
-
-class Durations(Wire, frozen=True, kw_only=True):
-    """Milliseconds, as the backend reported them; ``total_ms`` includes thinking and load."""
-
-    total_ms: float
-    load_ms: float | None = None
-    prompt_eval_ms: float | None = None
-    eval_ms: float | None = None
-    first_token_ms: float | None = None
-    """From sending the prompt to the first token (or thinking) arriving."""
-
-
-class Tokens(Wire, frozen=True, kw_only=True):
-    prompt: int | None = None
-    eval: int | None = None
 
 
 class TaskSubmitted(Event, frozen=True, kw_only=True, tag="submitted"):
@@ -46,6 +35,9 @@ class TaskSubmitted(Event, frozen=True, kw_only=True, tag="submitted"):
     requested_model: str | None = None
     """The name the client used, when an alias mapped it to ``model``."""
     timeout_s: float
+    messages: list[ChatMessage] | None = None
+    """A chat task's conversation (``prompt`` holds it as text), so it can be routed again."""
+    think: bool | str | None = None
 
 
 class TaskRouted(Event, frozen=True, kw_only=True, tag="routed"):
@@ -128,7 +120,20 @@ class WakeRequested(Event, frozen=True, kw_only=True, tag="wake_requested"):
     model: str
 
 
-WorkerEvent = WorkerRegistered | WorkerStopped | WorkerAsleep | WakeRequested
+class WorkerDuplicate(Event, frozen=True, kw_only=True, tag="duplicate"):
+    """The reaper saw more than one process serving one worker id (lesson 2): more than one
+    pull waiting on its ``max_ack_pending=1`` consumer, or two instances heartbeating."""
+
+    worker_id: str
+    reason: str
+    """What was seen, for people (``coordinator workers`` shows it)."""
+    num_waiting: int | None = None
+    """Pulls waiting on the worker's consumer when it was seen that way."""
+    instances: list[str] = msgspec.field(default_factory=list)
+    hosts: list[str] = msgspec.field(default_factory=list)
+
+
+WorkerEvent = WorkerRegistered | WorkerStopped | WorkerAsleep | WakeRequested | WorkerDuplicate
 
 
 class AliasSet(Event, frozen=True, kw_only=True, tag="alias_set"):
@@ -255,7 +260,13 @@ def subject_for(event: AnyEvent) -> str:
     match event:
         case TaskSubmitted() | TaskRouted() | TaskStarted() | TaskCompleted() | TaskFailed():
             return task_event(event.task_id, kind_of(event))
-        case WorkerRegistered() | WorkerStopped() | WorkerAsleep() | WakeRequested():
+        case (
+            WorkerRegistered()
+            | WorkerStopped()
+            | WorkerAsleep()
+            | WakeRequested()
+            | WorkerDuplicate()
+        ):
             return worker_event(event.worker_id, kind_of(event))
         case AliasSet():
             return "events.stats.alias.set"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from schemas.base import Wire
 from schemas.events import Durations, Tokens
 from schemas.route import TaskStatus, TaskType
@@ -42,8 +44,11 @@ class WorkerView(Wire, frozen=True, kw_only=True):
     models: list[str]
     state: str
     current_task: str | None = None
+    current_model: str | None = None
     last_heartbeat: float
     queue_depth: int = 0
+    problems: list[str] = msgspec.field(default_factory=list)
+    """What the reaper found wrong with this worker lately (a duplicate process, say)."""
 
 
 class WorkersReply(Wire, frozen=True, kw_only=True):

@@ -7,6 +7,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from schemas.base import Wire
+from schemas.measures import Durations, Tokens
 
 TaskType = Literal["inference", "web_search"]
 TaskStatus = Literal["queued", "running", "done", "failed"]
@@ -25,6 +26,16 @@ class Source(Wire, frozen=True, kw_only=True):
     snippet: str = ""
 
 
+ChatRole = Literal["system", "user", "assistant", "tool"]
+
+
+class ChatMessage(Wire, frozen=True, kw_only=True):
+    """One turn of a conversation, as Ollama's ``/api/chat`` and OpenAI's chat API take it."""
+
+    role: ChatRole
+    content: str
+
+
 class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What a client asks for. Unknown fields are refused: a typo must not pass silently."""
 
@@ -37,6 +48,12 @@ class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     wait: bool = False
     timeout_s: float | None = msgspec.field(default=None)
     stream: bool = False
+    messages: list[ChatMessage] | None = None
+    """A conversation: workers send it to their backend's chat API. ``prompt`` then holds the
+    same conversation as text (`services.gateway.convert.chat_prompt`), which is what statistics,
+    the judge and a worker that predates this field use."""
+    think: bool | str | None = None
+    """Ollama's ``think`` (true, false, or "high" / "medium" / "low"); None: the model's default."""
 
 
 class RouteReply(Wire, frozen=True, kw_only=True):
@@ -58,6 +75,9 @@ class RouteReply(Wire, frozen=True, kw_only=True):
     note: str | None = None
     """Present when the task is done but not as asked. Web search: the summary failed (the note
     says why) and ``response`` is the plain list of results instead of an answer."""
+    durations: Durations | None = None
+    """What the backend measured, when the task is done (as in the ``completed`` event)."""
+    tokens: Tokens | None = None
 
 
 class ErrorDetail(Wire, frozen=True, kw_only=True):
@@ -72,7 +92,9 @@ class ErrorBody(Wire, frozen=True, kw_only=True):
 
 
 # Header that marks a message on a streaming reply subject as a chunk, with its sequence
-# number; the message without it is the final reply (a `RouteReply` or an error).
+# number; the message without it is the final reply (a `RouteReply` or an error). The first
+# chunk, seq 0 with no text, comes from the router just before the task is queued: it tells
+# the client the task id, so the client can cancel the task before any output arrives.
 CHUNK_HEADER: Final = "Coordinator-Chunk"
 
 
@@ -83,3 +105,22 @@ class StreamChunk(Wire, frozen=True, kw_only=True):
     seq: int
     response: str = ""
     thinking: str = ""
+
+
+class CancelRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.cancel``: stop a queued or running task (its client went away, say).
+
+    Name the task, or (a client waiting on a reply that never learned the task's id) the reply
+    subject of its still-unanswered route request."""
+
+    task_id: str | None = None
+    reply_to: str | None = None
+    reason: str = ""
+
+
+class CancelReply(Wire, frozen=True, kw_only=True):
+    """The cancel notice went out; the task ends ``failed`` with code ``cancelled`` when a live
+    worker holds it or takes it, and is not run."""
+
+    task_id: str
+    status: Literal["cancelling"]

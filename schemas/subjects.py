@@ -28,8 +28,16 @@ EVENTS_SUBJECTS: Final = "events.>"
 # Request/reply endpoints. They must never fall under a stream's subjects, or the stream would
 # store (and acknowledge) the requests instead of a service answering them.
 ROUTE: Final = "coordinator.route"
+CANCEL: Final = "coordinator.cancel"
+# Where the router passes a cancel on to the workers (core NATS, one subject per task; never
+# under a stream: a cancel is a notice, the task's `failed` event is the fact).
+CANCEL_NOTICES: Final = "coordinator.cancel.*"
 TASK: Final = "coordinator.task"
 WORKERS: Final = "coordinator.workers"
+# The reaper's NATS micro service (it answers `$SRV.PING.coordinator-reaper`, so the router and
+# `coordinator health` can tell it runs) and its status endpoint.
+REAPER_SERVICE: Final = "coordinator-reaper"
+REAPER_STATUS: Final = "coordinator.reaper.status"
 # Served by the stats service (see schemas/stats.py for the bodies).
 STATS: Final = "coordinator.stats"
 STATS_EXCLUDE: Final = "coordinator.stats.exclude"
@@ -94,6 +102,11 @@ def worker_queue_filter(worker_id: str) -> str:
 def task_event(task_id: str, kind: str) -> str:
     """``events.task.<task_id>.<kind>``: one subject per task makes its history one read."""
     return f"events.task.{check_token('task id', task_id)}.{check_token('event kind', kind)}"
+
+
+def cancel_notice(task_id: str) -> str:
+    """``coordinator.cancel.<task_id>``: the notice workers act on (see `CANCEL_NOTICES`)."""
+    return f"coordinator.cancel.{check_token('task id', task_id)}"
 
 
 def task_events(task_id: str) -> str:

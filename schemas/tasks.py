@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from schemas.base import Wire
-from schemas.route import TaskType
+from schemas.route import ChatMessage, TaskType
 
 # Task kinds that one host serves (lesson 8): they are never re-dispatched to another worker,
 # not by the reaper, not by a worker taking over a dead one's message. Their failures surface.
@@ -32,6 +32,9 @@ class TaskMessage(Wire, frozen=True, kw_only=True):
     stream_subject: str | None = None
     """Where the worker publishes `StreamChunk`s as they arrive (core NATS, not stored)."""
     submitted_at: float
+    messages: list[ChatMessage] | None = None
+    """A conversation for the backend's chat API; ``prompt`` holds it as text."""
+    think: bool | str | None = None
 
     @property
     def retryable(self) -> bool:

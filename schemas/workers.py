@@ -24,7 +24,11 @@ class WorkerRecord(Wire, frozen=True, kw_only=True):
     heartbeat_at: float
     state: Literal["idle", "busy", "stopping", "asleep"] = "idle"
     current_task: str | None = None
+    current_model: str | None = None
+    """The model of ``current_task`` (as of the last heartbeat)."""
     backend: str = "ollama"
+    backend_url: str | None = None
+    """Where the worker's model server answers (``coordinator doctor`` checks it)."""
     wol_mac: str | None = None
     """Wake-on-LAN address, for a machine that sleeps when idle."""
 

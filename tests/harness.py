@@ -31,6 +31,13 @@ FAST_WORKER = {
     "ack_wait_s": 6.0,
     "stop_grace_s": 5.0,
 }
+# The reaper looking five times a second, with thresholds a test can wait out.
+FAST_REAPER = {
+    "worker_ttl_s": 3.0,
+    "reaper_interval_s": 0.2,
+    "ghost_after_s": 1.5,
+    "stuck_grace_s": 0.5,
+}
 
 
 class ServiceRunner:
@@ -71,6 +78,13 @@ class ServiceRunner:
         from services.stats.service import run as run_stats
 
         return self.start(run_stats, StatsSettings(nats_url=nats_url, pg_dsn=pg_dsn))
+
+    def reaper(self, nats_url: str, **overrides: Any) -> asyncio.Task[None]:
+        from services.reaper.service import run as run_reaper
+        from services.runtime.settings import ReaperSettings
+
+        options = {**FAST_REAPER, **overrides}
+        return self.start(run_reaper, ReaperSettings(nats_url=nats_url, **options))
 
     async def stop(self, task: asyncio.Task[None]) -> None:
         for stop, running in self._running:

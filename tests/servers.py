@@ -45,11 +45,25 @@ def wait_for_port(port: int, timeout_s: float = 10.0) -> None:
 
 
 class NatsServer:
-    """One nats-server with JetStream; it can be stopped and started again on the same port."""
+    """One nats-server with JetStream; it can be stopped and started again on the same port.
 
-    def __init__(self, store_dir: str, port: int | None = None) -> None:
+    With ``config``, the server reads that file (its JetStream ``store_dir`` must be
+    ``store_dir``; address and port come from here) with ``env`` added to its environment
+    (the configuration's ``$VARIABLES``).
+    """
+
+    def __init__(
+        self,
+        store_dir: str,
+        port: int | None = None,
+        *,
+        config: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.store_dir = store_dir
+        self.config = config
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -57,19 +71,15 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> NatsServer:
+        where = ["-a", "127.0.0.1", "-p", str(self.port)]
+        args = (
+            ["-c", self.config, *where] if self.config else ["-js", *where, "-sd", self.store_dir]
+        )
         self.proc = subprocess.Popen(
-            [
-                nats_server_binary(),
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "-sd",
-                self.store_dir,
-            ],
+            [nats_server_binary(), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, **(self.env or {})},
         )
         wait_for_port(self.port)
         return self

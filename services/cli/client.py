@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from schemas.route import CHUNK_HEADER, ErrorBody, StreamChunk
 from services.runtime.bus import connect
 from services.runtime.errors import CoordinatorError
+from services.runtime.tracing import inject_context
 
 STACK_FILE = "stack.json"
 
@@ -54,9 +55,14 @@ class NoResponder(CoordinatorError):
 
 
 async def call(nc: Client, subject: str, body: bytes, timeout_s: float) -> bytes:
-    """Request/reply; an error reply raises `RemoteError` with its code."""
+    """Request/reply; an error reply raises `RemoteError` with its code.
+
+    The current trace context goes along (``traceparent``), so the service continues it.
+    """
     try:
-        reply = await nc.request(subject, body, timeout=timeout_s)
+        reply = await nc.request(
+            subject, body, timeout=timeout_s, headers=inject_context({}) or None
+        )
     except Exception as exc:
         name = type(exc).__name__
         if "NoResponders" in name:
@@ -97,7 +103,7 @@ async def stream_call(
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     try:
-        await nc.publish(subject, body, reply=inbox)
+        await nc.publish(subject, body, reply=inbox, headers=inject_context({}) or None)
         while True:
             try:
                 msg = await sub.next_msg(timeout=timeout_s)

@@ -19,12 +19,14 @@ import msgspec
 from schemas import events, queries, route, stats, tasks, workers
 from schemas.subjects import ROUTE, TASK, WORKERS
 from services import __version__
-from services.cli import stats_commands
+from services.cli import deploy, doctor, stats_commands
 from services.cli.client import RemoteError, call, open_client, stream_call
 from services.runtime.errors import CoordinatorError
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.logging import setup_logging
 from services.runtime.settings import (
+    GatewaySettings,
+    ReaperSettings,
     RouterSettings,
     Settings,
     StatsSettings,
@@ -70,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("router", "run the router alone (configured by the environment)"),
         ("worker", "run one worker alone (configured by the environment)"),
         ("web-search", "run one web-search worker alone (configured by the environment)"),
+        ("reaper", "run the reaper alone: moves work off dead, stuck or silent workers"),
+        ("gateway", "run the HTTP gateway alone: the fleet as one Ollama/OpenAI endpoint"),
     ):
         p = sub.add_parser(name, help=helptext)
         p.set_defaults(func=cmd_service, service=name)
@@ -110,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # stats (figures; `stats serve` runs the service), alias, judge, bench
     stats_commands.register(sub)
+    # setup, health, deploy render; doctor
+    deploy.register(sub)
+    doctor.register(sub)
     return parser
 
 
@@ -131,6 +138,14 @@ def cmd_service(args: argparse.Namespace) -> int:
         from services.web_search.service import run as runner
 
         settings = WebSearchSettings.from_env()
+    elif args.service == "reaper":
+        from services.reaper.service import run as runner
+
+        settings = ReaperSettings.from_env()
+    elif args.service == "gateway":
+        from services.gateway.service import run as runner
+
+        settings = GatewaySettings.from_env()
     else:
         from services.stats.service import run as runner
 
@@ -293,6 +308,8 @@ def cmd_workers(args: argparse.Namespace) -> int:
             f"{w.worker_id:<20} {w.host:<16} {w.tier:<4} {w.state:<8} {w.queue_depth:>5} "
             f"{now - w.last_heartbeat:>7.1f}s  {', '.join(w.models)}"
         )
+        for problem in w.problems:
+            print(f"  ! {problem}")
     return 0
 
 
@@ -302,6 +319,8 @@ def cmd_schemas_export(args: argparse.Namespace) -> int:
         "RouteRequest": route.RouteRequest,
         "RouteReply": route.RouteReply,
         "ErrorBody": route.ErrorBody,
+        "CancelRequest": route.CancelRequest,
+        "CancelReply": route.CancelReply,
         "TaskMessage": tasks.TaskMessage,
         "TaskEvent": events.TaskEvent,
         "WorkerEvent": events.WorkerEvent,

@@ -2,8 +2,8 @@
 
 With ``NATS_URL`` unset it starts nats-server from the pinned wheel (JetStream, store under the
 data directory); with ``PG_DSN`` unset it starts an embedded PostgreSQL (the ``pgserver``
-wheel). Then router, stats and one local worker run in this process until Ctrl-C. Where things
-listen is written to ``$COORDINATOR_HOME/stack.json`` so other commands find the stack.
+wheel). Then router, stats, reaper and one local worker run in this process until Ctrl-C. Where
+things listen is written to ``$COORDINATOR_HOME/stack.json`` so other commands find the stack.
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ from services.cli.client import STACK_FILE
 from services.runtime.errors import ConfigError, CoordinatorError
 from services.runtime.lifecycle import install_stop_signals
 from services.runtime.logging import setup_logging
-from services.runtime.settings import RouterSettings, StatsSettings, UpSettings, WorkerSettings
+from services.runtime.settings import (
+    GatewaySettings,
+    ReaperSettings,
+    RouterSettings,
+    StatsSettings,
+    UpSettings,
+    WorkerSettings,
+)
 from services.runtime.tracing import setup_tracing
 
 log = structlog.get_logger("up")
@@ -154,6 +161,8 @@ def up() -> int:
 
 
 async def _run_services(env: dict[str, str]) -> None:
+    from services.gateway.service import run as run_gateway
+    from services.reaper.service import run as run_reaper
     from services.router.service import run as run_router
     from services.stats.service import run as run_stats
     from services.worker.service import run as run_worker
@@ -164,7 +173,11 @@ async def _run_services(env: dict[str, str]) -> None:
         ("router", _bind(run_router, RouterSettings.from_env(env))),
         ("stats", _bind(run_stats, StatsSettings.from_env(env))),
         ("worker", _bind(run_worker, WorkerSettings.from_env(env))),
+        ("reaper", _bind(run_reaper, ReaperSettings.from_env(env))),
+        ("gateway", _bind(run_gateway, gateway := GatewaySettings.from_env(env))),
     ]
+    url = f"http://{gateway.gateway_host}:{gateway.gateway_port}"
+    say(f"gateway     {url}  (Ollama and OpenAI APIs: OLLAMA_HOST={url} ollama list)")
     tasks = [asyncio.create_task(_supervise(name, fn, stop), name=name) for name, fn in services]
     say('ready       coordinator ask "1+1は？" --model <model>   |   coordinator workers')
     await asyncio.gather(*tasks)

@@ -147,7 +147,7 @@ def choose_web(workers: Collection[WorkerRecord]) -> Decision:
 
 
 def _inference(workers: Collection[WorkerRecord]) -> list[WorkerRecord]:
-    return [w for w in workers if INFERENCE_CAPABILITIES.intersection(w.supports)]
+    return [w for w in workers if not INFERENCE_CAPABILITIES.isdisjoint(w.supports)]
 
 
 def _designated(model: str, workers: Collection[WorkerRecord], worker_id: str) -> Decision:

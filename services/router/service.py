@@ -27,33 +27,46 @@ from schemas.events import (
     TaskRouted,
     TaskSubmitted,
     WakeRequested,
+    WorkerDuplicate,
     encoder,
     task_event_decoder,
 )
 from schemas.queries import WorkersReply, WorkerView
-from schemas.route import RouteReply, RouteRequest
+from schemas.route import (
+    CHUNK_HEADER,
+    CancelReply,
+    CancelRequest,
+    RouteReply,
+    RouteRequest,
+    StreamChunk,
+)
 from schemas.subjects import (
     ASLEEP_BUCKET,
+    CANCEL,
     EVENTS_STREAM,
+    REAPER_SERVICE,
     ROUTE,
     STATS_BUCKET,
     TASKS_STREAM,
     WORKERS,
     InvalidId,
+    cancel_notice,
     check_token,
     task_event,
 )
-from schemas.tasks import TaskMessage
+from schemas.tasks import TaskMessage, is_retryable
 from schemas.workers import WorkerRecord, worker_record_decoder
 from services import __version__
 from services.router import policy
 from services.router.view import Figure, FleetView
+from services.router.waiting import Waiter
 from services.router.wol import send_magic_packet
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import connect, ensure_bucket, ensure_streams, publish_event
 from services.runtime.endpoints import add_endpoint, reply_subject
 from services.runtime.errors import (
     BadRequest,
+    NotFound,
     NoWorker,
     PromptTooLarge,
     Unavailable,
@@ -61,11 +74,15 @@ from services.runtime.errors import (
 )
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import RouterSettings
+from services.runtime.tracing import inject_context
+from services.runtime.watch import follow_bucket
 from services.stats.domains import classify_domain
 
 log = structlog.get_logger("router")
 
 _route_decoder = msgspec.json.Decoder(RouteRequest)
+_cancel_decoder = msgspec.json.Decoder(CancelRequest)
+_duplicate_decoder = msgspec.json.Decoder(WorkerDuplicate)
 
 
 class _FigureView(msgspec.Struct, frozen=True):
@@ -83,8 +100,16 @@ _figure_decoder = msgspec.json.Decoder(_FigureView)
 # A sleeping worker is sent at most one magic packet in this many seconds.
 WAKE_RESEND_S = 10.0
 
+# In-flight tasks whose end was missed are forgotten at most this often (see FleetView.expire).
+EXPIRE_INTERVAL_S = 1.0
+
 # Extra time a waiting request allows beyond the task's own timeout: queueing and event delivery.
 WAIT_MARGIN_S = 30.0
+
+# A problem the reaper reported is shown this long; it reports one that persists every 30 s.
+PROBLEM_SHOWN_S = 90.0
+# How often the router asks whether a reaper runs (to know if a retryable failure moves on).
+REAPER_PING_S = 2.0
 
 
 def new_task_id() -> str:
@@ -109,6 +134,8 @@ def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
         )
     if not request.model.strip():
         raise BadRequest("model must not be empty")
+    if request.messages is not None and not request.messages:
+        raise BadRequest("messages, when given, must hold at least one message")
     if request.timeout_s is not None and not (
         math.isfinite(request.timeout_s) and request.timeout_s > 0
     ):
@@ -136,8 +163,16 @@ class Router:
         self._wake_pending: dict[str, int] = {}
         self._woken: dict[str, float] = {}
         self.tasks = TaskSet()
-        self._waiters: dict[str, asyncio.Future[TaskCompleted | TaskFailed]] = {}
+        self._waiters: dict[str, Waiter] = {}
+        # Reply subject of a waiting route request -> its task, so a client that never learned
+        # the task id can cancel it (`CancelRequest.reply_to`).
+        self._waiting_on: dict[str, str] = {}
+        self._next_expiry = 0.0
+        # worker id -> (time, what the reaper saw): duplicates shown by `coordinator workers`.
+        self._problems: dict[str, tuple[float, str]] = {}
         self._events_sub: Subscription | None = None
+        self._problems_sub: Subscription | None = None
+        self._reaper_seen = float("-inf")
         self._service: Service | None = None
 
     async def start(self) -> None:
@@ -146,10 +181,14 @@ class Router:
         sleepers = await ensure_bucket(self.js, ASLEEP_BUCKET, ttl_s=None)
         await self.aliases.start()
         self._events_sub = await self.nc.subscribe("events.task.>", cb=self._on_task_event)
+        self._problems_sub = await self.nc.subscribe(
+            "events.worker.*.duplicate", cb=self._on_duplicate
+        )
         ready = [asyncio.Event(), asyncio.Event(), asyncio.Event()]
         self.tasks.spawn(self._watch(workers, self._on_worker, ready[0]), name="watch-workers")
         self.tasks.spawn(self._watch(figures, self._on_figure, ready[1]), name="watch-stats")
         self.tasks.spawn(self._watch(sleepers, self._on_sleeper, ready[2]), name="watch-asleep")
+        self.tasks.spawn(self._ping_reaper(), name="ping-reaper")
         await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), timeout=10)
         self._service = await add_service(
             self.nc,
@@ -159,14 +198,16 @@ class Router:
         )
         await add_endpoint(self._service, "route", ROUTE, self.handle_route, self.tasks)
         await add_endpoint(self._service, "workers", WORKERS, self.handle_workers, self.tasks)
-        log.info("router ready", subjects=[ROUTE, WORKERS])
+        await add_endpoint(self._service, "cancel", CANCEL, self.handle_cancel, self.tasks)
+        log.info("router ready", subjects=[ROUTE, WORKERS, CANCEL])
 
     async def stop(self) -> None:
         if self._service is not None:
             await self._service.stop()
-        if self._events_sub is not None:
-            with suppress(Exception):
-                await self._events_sub.unsubscribe()
+        for sub in (self._events_sub, self._problems_sub):
+            if sub is not None:
+                with suppress(Exception):
+                    await sub.unsubscribe()
         await self.aliases.stop()
         await self.tasks.wait(timeout_s=1.0)
 
@@ -175,22 +216,9 @@ class Router:
     async def _watch(
         self, kv: KeyValue, on_entry: Callable[[KeyValue.Entry], None], ready: asyncio.Event
     ) -> None:
-        """Feed every value of ``kv`` (current ones first, then changes) to ``on_entry``."""
-        while True:
-            watcher = await kv.watchall()
-            try:
-                async for entry in watcher:
-                    if entry is None:
-                        ready.set()
-                        continue
-                    try:
-                        on_entry(entry)
-                    except msgspec.DecodeError:
-                        log.warning("ignoring a malformed value", key=entry.key)
-            except asyncio.CancelledError:
-                with suppress(Exception):
-                    await watcher.stop()  # type: ignore[no-untyped-call]
-                raise
+        """Feed every value of ``kv`` (current ones first, then changes) to ``on_entry``;
+        watched again after a reconnect (a restarted server has lost the watch)."""
+        await follow_bucket(self.nc, kv, on_entry, ready)
 
     def _on_worker(self, entry: KeyValue.Entry) -> None:
         if entry.operation in ("DEL", "PURGE") or not entry.value:
@@ -222,13 +250,39 @@ class Router:
             event = task_event_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        waiter = self._waiters.get(event.task_id)
         if isinstance(event, TaskRouted):
             self.view.routed(event.task_id, event.worker, event.at)
+            if waiter is not None:
+                waiter.routed(event.attempt)
         elif isinstance(event, TaskCompleted | TaskFailed):
             self.view.ended(event.task_id)
-            waiter = self._waiters.get(event.task_id)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(event)
+            if waiter is not None:
+                waiter.ended(event)  # an older attempt's outcome is stale: ignored
+
+    async def _on_duplicate(self, msg: Msg) -> None:
+        try:
+            event = _duplicate_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        self._problems[event.worker_id] = (time.time(), f"duplicate_consumer: {event.reason}")
+
+    async def _ping_reaper(self) -> None:
+        """Note, every `REAPER_PING_S`, whether a reaper answers ``$SRV.PING``."""
+        while True:
+            with suppress(Exception):
+                await self.nc.request(f"$SRV.PING.{REAPER_SERVICE}", b"", timeout=1.0)
+                self._reaper_seen = time.monotonic()
+            await asyncio.sleep(REAPER_PING_S)
+
+    def reaper_runs(self) -> bool:
+        """A reaper answered lately: a retryable failure will be moved on (`Waiter`)."""
+        return time.monotonic() - self._reaper_seen < 3 * REAPER_PING_S
+
+    def problems(self, worker_id: str, now: float) -> list[str]:
+        """What the reaper reported about the worker within `PROBLEM_SHOWN_S`."""
+        seen = self._problems.get(worker_id)
+        return [seen[1]] if seen is not None and now - seen[0] < PROBLEM_SHOWN_S else []
 
     # -- endpoints -----------------------------------------------------------------------------
 
@@ -243,8 +297,10 @@ class Router:
                 models=r.models,
                 state=r.state,
                 current_task=r.current_task,
+                current_model=r.current_model,
                 last_heartbeat=r.heartbeat_at,
                 queue_depth=depth.get(r.worker_id, 0),
+                problems=self.problems(r.worker_id, now),
             )
             for r in sorted(
                 policy.live(self.view.workers.values(), now, self.settings.worker_ttl_s),
@@ -258,7 +314,10 @@ class Router:
         # Requests, registrations and statistics all use the canonical name (lesson 6).
         request = msgspec.structs.replace(asked, model=self.aliases.canonical(asked.model))
         now = time.time()
-        self.view.expire(now, max_age_s=self.settings.default_timeout_s + WAIT_MARGIN_S)
+        if now >= self._next_expiry:
+            # A scan of every task in flight: once a second is plenty for ages of minutes.
+            self._next_expiry = now + EXPIRE_INTERVAL_S
+            self.view.expire(now, max_age_s=self.settings.default_timeout_s + WAIT_MARGIN_S)
         live = policy.live(self.view.workers.values(), now, self.settings.worker_ttl_s)
         waking: WorkerRecord | None = None
         if request.task_type == "web_search":
@@ -286,15 +345,28 @@ class Router:
                 waking = sleeper
         task_id = new_task_id()
         timeout_s = request.timeout_s or self.settings.default_timeout_s
-        waiter: asyncio.Future[TaskCompleted | TaskFailed] | None = None
+        waiter: Waiter | None = None
         stream_subject = reply_subject.get() if request.stream else None
         if request.stream and not stream_subject:
             raise BadRequest("stream=true needs a reply subject to send the chunks to")
         if request.wait or request.stream:
             # Registered before anything is published, so the end cannot be missed.
-            waiter = asyncio.get_running_loop().create_future()
+            waiter = Waiter(
+                retryable_kind=is_retryable(request.task_type), moves_on=self.reaper_runs
+            )
             self._waiters[task_id] = waiter
+        waiting_on = reply_subject.get() if waiter is not None else ""
+        if waiting_on:
+            self._waiting_on[waiting_on] = task_id
         try:
+            if stream_subject:
+                # Before the task is queued, so it comes before any output (one connection keeps
+                # the order): the client learns the task id and can cancel it from now on.
+                await self.nc.publish(
+                    stream_subject,
+                    encoder.encode(StreamChunk(task_id=task_id, seq=0)),
+                    headers={CHUNK_HEADER: "0"},
+                )
             queued_seq = await self._submit(
                 request,
                 decision,
@@ -313,6 +385,8 @@ class Router:
                 worker=decision.worker_id,
                 queue=decision.queue,
                 reason=decision.reason,
+                subject=decision.queue,
+                stream_seq=queued_seq,
             )
             if waiter is None:
                 return encoder.encode(
@@ -324,9 +398,12 @@ class Router:
                     )
                 )
             wake_s = self.settings.wake_wait_s if waking is not None else 0.0
-            outcome = await self._wait(task_id, waiter, timeout_s + wake_s + WAIT_MARGIN_S)
+            outcome = await self._wait(task_id, waiter.future, timeout_s + wake_s + WAIT_MARGIN_S)
         finally:
+            if waiter is not None:
+                waiter.close()
             self._waiters.pop(task_id, None)
+            self._waiting_on.pop(waiting_on, None)
         if isinstance(outcome, TaskCompleted):
             reply = RouteReply(
                 task_id=task_id,
@@ -339,6 +416,8 @@ class Router:
                 host=outcome.host,
                 sources=outcome.sources,
                 note=outcome.note,
+                durations=outcome.durations,
+                tokens=outcome.tokens,
             )
         else:
             reply = RouteReply(
@@ -349,6 +428,30 @@ class Router:
                 error=f"{outcome.code}: {outcome.reason}",
             )
         return encoder.encode(reply)
+
+    async def handle_cancel(self, body: bytes) -> bytes:
+        """Pass a cancel on to the workers: the one running the task stops it, and one that has
+        not taken it yet fails it unrun when it does. Refused for a task no router saw routed
+        or that has ended."""
+        try:
+            request = _cancel_decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"invalid cancel request: {exc}") from None
+        if (request.task_id is None) == (request.reply_to is None):
+            raise BadRequest("a cancel request names either task_id or reply_to")
+        task_id = request.task_id or self._waiting_on.get(request.reply_to or "")
+        if task_id is None:
+            raise NotFound(f"no route request waits on {request.reply_to} (it was answered)")
+        try:
+            notice = cancel_notice(task_id)
+        except InvalidId as exc:
+            raise BadRequest(str(exc)) from None
+        if task_id not in self.view.inflight and task_id not in self._waiters:
+            raise NotFound(f"task {task_id} is not queued or running (it has ended, or is unknown)")
+        request = CancelRequest(task_id=task_id, reason=request.reason)
+        await self.nc.publish(notice, encoder.encode(request))
+        log.info("cancel requested", task_id=task_id, reason=request.reason)
+        return encoder.encode(CancelReply(task_id=task_id, status="cancelling"))
 
     async def _submit(
         self,
@@ -363,8 +466,13 @@ class Router:
     ) -> int:
         """Record and queue the task; returns its message's sequence in ``TASKS``."""
         requested_model = asked_model if asked_model != request.model else None
-        try:
-            await publish_event(
+        # Both events go out at once and their acknowledgements are awaited together: one
+        # round trip instead of two. One connection keeps their order in EVENTS, and the task
+        # is queued only once both are stored.
+        submitted: object
+        routed: object
+        submitted, routed = await asyncio.gather(
+            publish_event(
                 self.js,
                 TaskSubmitted(
                     at=now,
@@ -377,13 +485,12 @@ class Router:
                     requested_worker=request.worker,
                     requested_model=requested_model,
                     timeout_s=timeout_s,
+                    messages=request.messages,
+                    think=request.think,
                 ),
                 msg_id=f"{task_id}:submitted",
-            )
-        except Exception as exc:
-            raise Unavailable(f"could not record the task: {exc or type(exc).__name__}") from exc
-        try:
-            await publish_event(
+            ),
+            publish_event(
                 self.js,
                 TaskRouted(
                     at=time.time(),
@@ -394,7 +501,18 @@ class Router:
                     reason=decision.reason,
                 ),
                 msg_id=f"{task_id}:routed:1",
-            )
+            ),
+            return_exceptions=True,
+        )
+        if isinstance(submitted, BaseException):
+            if not isinstance(routed, BaseException):
+                # A routed task must end: the reaper would otherwise look for it.
+                await self._fail_unqueued(task_id, decision, "its submission was not stored")
+            reason = submitted or type(submitted).__name__
+            raise Unavailable(f"could not record the task: {reason}") from submitted
+        try:
+            if isinstance(routed, BaseException):
+                raise routed
             message = TaskMessage(
                 task_id=task_id,
                 attempt=1,
@@ -407,28 +525,37 @@ class Router:
                 stream=request.stream,
                 stream_subject=stream_subject,
                 submitted_at=now,
+                messages=request.messages,
+                think=request.think,
             )
             ack = await self.js.publish(
-                decision.queue, encoder.encode(message), headers={"Nats-Msg-Id": f"{task_id}:1"}
+                decision.queue,
+                encoder.encode(message),
+                # The worker continues this request's trace (traceparent).
+                headers=inject_context({"Nats-Msg-Id": f"{task_id}:1"}),
             )
         except Exception as exc:
             reason = f"could not queue the task on {decision.queue}: {exc or type(exc).__name__}"
-            with suppress(Exception):
-                await publish_event(
-                    self.js,
-                    TaskFailed(
-                        at=time.time(),
-                        task_id=task_id,
-                        attempt=1,
-                        worker=decision.worker_id,
-                        code=Unavailable.code,
-                        reason=reason,
-                        retryable=True,
-                    ),
-                    msg_id=f"{task_id}:failed:router",
-                )
+            await self._fail_unqueued(task_id, decision, reason)
             raise Unavailable(f"task {task_id}: {reason}") from exc
         return int(ack.seq)
+
+    async def _fail_unqueued(self, task_id: str, decision: policy.Decision, reason: str) -> None:
+        """Record the end of a task that was recorded but could not be queued (best effort)."""
+        with suppress(Exception):
+            await publish_event(
+                self.js,
+                TaskFailed(
+                    at=time.time(),
+                    task_id=task_id,
+                    attempt=1,
+                    worker=decision.worker_id,
+                    code=Unavailable.code,
+                    reason=reason,
+                    retryable=True,
+                ),
+                msg_id=f"{task_id}:failed:router",
+            )
 
     async def _wake(self, sleeper: WorkerRecord, task_id: str, model: str, seq: int) -> None:
         """Send the magic packet (at most once per `WAKE_RESEND_S` per worker), record it, and
@@ -487,7 +614,9 @@ class Router:
             return await asyncio.wait_for(asyncio.shield(waiter), timeout=timeout_s)
         except TimeoutError:
             pass
-        # The end event may have been missed during a reconnect: ask the stream itself.
+        # The end event may have been missed during a reconnect: ask the stream itself (the
+        # latest attempt's outcome, if the task was moved on).
+        ended: list[TaskCompleted | TaskFailed] = []
         for kind in TERMINAL_KINDS:
             try:
                 stored = await self.js.get_last_msg(EVENTS_STREAM, task_event(task_id, kind))
@@ -495,7 +624,9 @@ class Router:
                 continue
             event = task_event_decoder.decode(stored.data or b"")
             if isinstance(event, TaskCompleted | TaskFailed):
-                return event
+                ended.append(event)
+        if ended:
+            return max(ended, key=lambda e: (e.attempt, isinstance(e, TaskCompleted)))
         raise WaitTimeout(
             f"task {task_id} has not ended after {timeout_s:.0f} s; it may still finish: "
             f"ask coordinator.task for {task_id}"
@@ -504,7 +635,7 @@ class Router:
 
 async def run(settings: RouterSettings, stop: asyncio.Event) -> None:
     """Run the router until ``stop`` is set."""
-    nc = await connect(settings.nats_url, "coordinator-router")
+    nc = await connect(settings.nats_url, "coordinator-router", auth=settings.nats_auth())
     router = Router(nc, settings)
     try:
         await router.start()

@@ -19,7 +19,11 @@ class Figure:
 
 @dataclass
 class FleetView:
-    """Registered workers and the tasks routed to each that have not ended yet."""
+    """Registered workers and the tasks routed to each that have not ended yet.
+
+    Change it through its methods only: they keep the indexes that make a decision cost
+    about the same with a thousand workers as with ten.
+    """
 
     workers: dict[str, WorkerRecord] = field(default_factory=dict)
     # Workers whose machine sleeps, with the address to wake them by.
@@ -28,9 +32,18 @@ class FleetView:
     inflight: dict[str, tuple[str, float]] = field(default_factory=dict)
     # (model, domain, worker) -> figure, from the stats service
     figures: dict[tuple[str, str, str], Figure] = field(default_factory=dict)
+    # `figures` indexed so that a decision reads only its candidates' figures (a scan of all
+    # of them per candidate made a decision quadratic in the fleet's size):
+    # (model, domain) -> worker -> figure, and (model, worker) -> domain -> figure.
+    _by_domain: dict[tuple[str, str], dict[str, Figure]] = field(default_factory=dict, repr=False)
+    _by_worker: dict[tuple[str, str], dict[str, Figure]] = field(default_factory=dict, repr=False)
+    # worker id -> its tasks in `inflight`, kept by `routed`, `ended` and `expire`.
+    _depth: dict[str, int] = field(default_factory=dict, repr=False)
 
     def put_figure(self, model: str, domain: str, worker_id: str, figure: Figure) -> None:
         self.figures[(model, domain, worker_id)] = figure
+        self._by_domain.setdefault((model, domain), {})[worker_id] = figure
+        self._by_worker.setdefault((model, worker_id), {})[domain] = figure
 
     def typical_ms(self, model: str, domain: str, worker_ids: Iterable[str]) -> dict[str, float]:
         """Each worker's typical duration for the model and domain, as well as it is known.
@@ -41,24 +54,21 @@ class FleetView:
         are left out, and the policy gives them its prior.
         """
         ids = list(worker_ids)
+        in_domain = self._by_domain.get((model, domain), {})
         own: dict[str, float] = {}
         for worker_id in ids:
-            exact = self.figures.get((model, domain, worker_id))
+            exact = in_domain.get(worker_id)
             if exact is not None and exact.typical_ms is not None:
                 own[worker_id] = exact.typical_ms
                 continue
             others = [
                 f.typical_ms
-                for (m, _, w), f in self.figures.items()
-                if m == model and w == worker_id and f.typical_ms is not None
+                for f in self._by_worker.get((model, worker_id), {}).values()
+                if f.typical_ms is not None
             ]
             if others:
                 own[worker_id] = statistics.median(others)
-        peers = [
-            f.typical_ms
-            for (m, d, _), f in self.figures.items()
-            if m == model and d == domain and f.typical_ms is not None
-        ]
+        peers = [f.typical_ms for f in in_domain.values() if f.typical_ms is not None]
         if peers:
             fallback = statistics.median(peers)
             for worker_id in ids:
@@ -68,8 +78,9 @@ class FleetView:
     def failure_rate(self, model: str, domain: str, worker_ids: Iterable[str]) -> dict[str, float]:
         """Each worker's recent failure rate for the model and domain (absent: unknown)."""
         rates: dict[str, float] = {}
+        in_domain = self._by_domain.get((model, domain), {})
         for worker_id in worker_ids:
-            figure = self.figures.get((model, domain, worker_id))
+            figure = in_domain.get(worker_id)
             if figure is not None:
                 rates[worker_id] = figure.recent_failure_rate
         return rates
@@ -87,20 +98,30 @@ class FleetView:
         self.sleepers.pop(worker_id, None)
 
     def routed(self, task_id: str, worker_id: str, at: float) -> None:
+        previous = self.inflight.get(task_id)
+        if previous is not None:  # routed again (moved to another worker)
+            self._uncount(previous[0])
         self.inflight[task_id] = (worker_id, at)
+        self._depth[worker_id] = self._depth.get(worker_id, 0) + 1
 
     def ended(self, task_id: str) -> None:
-        self.inflight.pop(task_id, None)
+        entry = self.inflight.pop(task_id, None)
+        if entry is not None:
+            self._uncount(entry[0])
 
     def expire(self, now: float, max_age_s: float) -> None:
         """Forget in-flight tasks older than ``max_age_s`` (their end event was missed)."""
         stale = [t for t, (_, at) in self.inflight.items() if now - at > max_age_s]
         for task_id in stale:
-            del self.inflight[task_id]
+            self._uncount(self.inflight.pop(task_id)[0])
 
     def depth(self) -> dict[str, int]:
         """Tasks queued or running per worker."""
-        counts: dict[str, int] = {}
-        for worker_id, _ in self.inflight.values():
-            counts[worker_id] = counts.get(worker_id, 0) + 1
-        return counts
+        return dict(self._depth)
+
+    def _uncount(self, worker_id: str) -> None:
+        left = self._depth.get(worker_id, 0) - 1
+        if left > 0:
+            self._depth[worker_id] = left
+        else:
+            self._depth.pop(worker_id, None)

@@ -3,19 +3,26 @@
 Aliases are events (``events.stats.alias.set|removed``); a service that needs the map (router:
 request names; worker: served names) replays them from the stream at start and keeps
 following. The map itself and its rules live in `services.stats.aliases` (pure).
+
+The ordered consumer is given a name, so its create request carries the filter in its subject
+(``$JS.API.CONSUMER.CREATE.EVENTS.<name>.events.stats.alias.>``): a worker's NATS user may
+create exactly such consumers, and so reads the alias events and no other event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from contextlib import suppress
+from typing import Any
 
 import msgspec
 import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig
 
 from schemas.events import ALIAS_EVENTS, AliasRemoved, AliasSet, any_event_decoder
 from schemas.subjects import EVENTS_STREAM
@@ -40,8 +47,13 @@ class AliasFollower:
     async def start(self, timeout_s: float = 10.0) -> None:
         """Replay every alias event, then keep following; returns once caught up."""
         self._sub = await self.js.subscribe(
-            ALIAS_EVENTS, stream=EVENTS_STREAM, ordered_consumer=True, cb=self._on_msg
+            ALIAS_EVENTS,
+            stream=EVENTS_STREAM,
+            ordered_consumer=True,
+            cb=self._on_msg,
+            config=ConsumerConfig(name=_consumer_name()),
         )
+        _rename_on_reset(self._sub)
         deadline = asyncio.get_running_loop().time() + timeout_s
         sub = self._sub
         while (await sub.consumer_info()).num_pending or sub.pending_msgs:
@@ -68,3 +80,23 @@ class AliasFollower:
             return
         if self.on_change is not None:
             self.on_change()
+
+
+def _consumer_name() -> str:
+    return f"aliases-{uuid.uuid4().hex[:16]}"
+
+
+def _rename_on_reset(sub: Any) -> None:
+    """An ordered consumer is recreated after a gap or lost heartbeats; nats-py would reuse the
+    name, which the server refuses while the old consumer lingers. Give each one a new name.
+
+    (nats-py 2.16's ``_JSI.reset_ordered_consumer``, which both of its reset paths call.)
+    """
+    jsi = sub._sub._jsi
+    reset = jsi.reset_ordered_consumer
+
+    async def reset_renamed(sseq: int | None) -> bool:
+        jsi._ccreq.name = _consumer_name()
+        return bool(await reset(sseq))
+
+    jsi.reset_ordered_consumer = reset_renamed

@@ -13,12 +13,15 @@ import msgspec
 import structlog
 from nats.micro.request import Request
 from nats.micro.service import Service
+from opentelemetry import trace
 
 from schemas.route import ErrorBody, ErrorDetail
 from services.runtime.errors import CoordinatorError
 from services.runtime.lifecycle import TaskSet
+from services.runtime.tracing import extract_context
 
 log = structlog.get_logger("endpoints")
+tracer = trace.get_tracer("coordinator.endpoints")
 
 Handler = Callable[[bytes], Awaitable[bytes]]
 
@@ -44,20 +47,32 @@ async def respond_error(request: Request, code: str, message: str) -> None:
 async def add_endpoint(
     service: Service, name: str, subject: str, handler: Handler, tasks: TaskSet
 ) -> None:
-    """Serve ``subject`` with ``handler(body) -> reply``; a `CoordinatorError` is an error reply."""
+    """Serve ``subject`` with ``handler(body) -> reply``; a `CoordinatorError` is an error reply.
+
+    Each request is handled in a span named ``name``, continuing the caller's trace when the
+    request carries a ``traceparent`` header.
+    """
 
     async def run(request: Request) -> None:
         # nats.micro's Request does not expose the reply subject; its message does.
         reply_subject.set(request._msg.reply or "")
-        try:
-            reply = await handler(request.data)
-        except CoordinatorError as exc:
-            await respond_error(request, exc.code, exc.message)
-        except Exception as exc:
-            log.exception("endpoint failed", endpoint=name)
-            await respond_error(request, "internal", f"{type(exc).__name__}: {exc}")
-        else:
-            await request.respond(reply)
+        with tracer.start_as_current_span(
+            name,
+            context=extract_context(request.headers),
+            kind=trace.SpanKind.SERVER,
+            attributes={"messaging.destination.name": subject},
+        ) as span:
+            try:
+                reply = await handler(request.data)
+            except CoordinatorError as exc:
+                span.set_attribute("coordinator.error_code", exc.code)
+                await respond_error(request, exc.code, exc.message)
+            except Exception as exc:
+                log.exception("endpoint failed", endpoint=name)
+                span.set_status(trace.StatusCode.ERROR, repr(exc))
+                await respond_error(request, "internal", f"{type(exc).__name__}: {exc}")
+            else:
+                await request.respond(reply)
 
     async def on_request(request: Request) -> None:
         tasks.spawn(run(request), name=f"{name}-request")

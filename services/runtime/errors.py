@@ -96,6 +96,12 @@ class NoResults(SearchError):
     code = "no_results"
 
 
+class Cancelled(CoordinatorError):
+    """The task's client cancelled it (``coordinator.cancel``); says nothing about the worker."""
+
+    code = "cancelled"
+
+
 class WorkerLost(CoordinatorError):
     """The worker running a task stopped (or died) before the task's outcome was recorded."""
 

@@ -77,8 +77,38 @@ class Lease:
                 self.worker_id, _encoder.encode(self.record()), last=self.revision
             )
         except (KeyWrongLastSequenceError, NotFoundError) as exc:
+            if await self._still_mine():
+                return
             self.lost.set()
             raise LeaseLost(f"lease of worker '{self.worker_id}' lost: {exc}") from exc
+
+    async def _still_mine(self) -> bool:
+        """After a refused update: hold the key again if nobody else does.
+
+        With a TTL of a few seconds, a nats-server restart can outlast the entry (nobody holds
+        the id then: create it again), and a reconnect can lose the acknowledgement of an update
+        that was stored (the entry is this instance's, at a newer revision). Only an entry of
+        another instance means the lease was taken.
+        """
+        record = self.record()
+        try:
+            entry = await self.kv.get(self.worker_id)
+        except NotFoundError:  # expired or deleted
+            try:
+                self.revision = await self.kv.create(self.worker_id, _encoder.encode(record))
+            except KeyWrongLastSequenceError:
+                return False  # another instance created it first
+            log.warning(
+                "lease entry had expired (bus outage?); taken again", worker_id=self.worker_id
+            )
+            return True
+        holder = worker_record_decoder.decode(entry.value or b"")
+        if holder.instance_id != record.instance_id:
+            return False
+        self.revision = await self.kv.update(
+            self.worker_id, _encoder.encode(record), last=entry.revision
+        )
+        return True
 
     async def keep(self, interval_s: float) -> None:
         """Renew every ``interval_s`` until the lease is lost (run it as a task, cancel to stop)."""

@@ -1,4 +1,10 @@
-"""structlog set up once per process: JSON in production, readable on a terminal."""
+"""structlog set up once per process: JSON in production, readable on a terminal.
+
+Each handled message gets one canonical line (the worker's ``task done``/``task failed``, the
+router's ``routed``, the stats service's ``event projected``) carrying ``task_id``, ``subject``
+and ``stream_seq`` from structlog's context, and ``trace_id`` from the current span
+(`add_trace_id`), so a line leads to the task's trace and the trace to its lines.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,19 @@ import sys
 from typing import TextIO
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 from services.runtime.settings import LogFormat
+from services.runtime.tracing import trace_id_of
+
+
+def add_trace_id(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
+    """Add the current span's trace id, unless the line has one already."""
+    if "trace_id" not in event:
+        trace_id = trace_id_of()
+        if trace_id is not None:
+            event["trace_id"] = trace_id
+    return event
 
 
 def setup_logging(
@@ -28,6 +45,7 @@ def setup_logging(
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_id,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -13,6 +13,7 @@ from contextlib import suppress
 from types import TracebackType
 from typing import Self
 
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -22,6 +23,7 @@ from schemas.events import (
     TERMINAL_KINDS,
     TaskCompleted,
     TaskFailed,
+    TaskRouted,
     TaskStarted,
     task_event_decoder,
 )
@@ -64,28 +66,57 @@ async def store_outcome(
             delay *= 2
 
 
+async def last_on(js: JetStreamContext, subject: str) -> bytes | None:
+    """The last message on ``subject`` in ``EVENTS`` (None when there is none).
+
+    A direct get names the subject in the API subject
+    (``$JS.API.DIRECT.GET.EVENTS.<subject>``), so a worker's NATS user may read its tasks'
+    events and nothing else; a stream made before ``allow_direct`` gets the plain request.
+    """
+    try:
+        try:
+            stored = await js.get_last_msg(EVENTS_STREAM, subject, direct=True)
+        except nats.errors.NoRespondersError:
+            stored = await js.get_last_msg(EVENTS_STREAM, subject)
+    except NotFoundError:
+        return None
+    return stored.data or b""
+
+
 async def stored_outcome(
     js: JetStreamContext, task_id: str, attempt: int
 ) -> TaskCompleted | TaskFailed | None:
     """The outcome stored for this attempt of the task or a later one, if there is one."""
     for kind in TERMINAL_KINDS:
-        try:
-            stored = await js.get_last_msg(EVENTS_STREAM, task_event(task_id, kind))
-        except NotFoundError:
+        data = await last_on(js, task_event(task_id, kind))
+        if data is None:
             continue
-        event = task_event_decoder.decode(stored.data or b"")
+        event = task_event_decoder.decode(data)
         if isinstance(event, TaskCompleted | TaskFailed) and event.attempt >= attempt:
             return event
     return None
 
 
+async def current_attempt(js: JetStreamContext, task_id: str) -> int | None:
+    """The attempt the task's latest ``routed`` names: the only one that may still run.
+
+    The reaper moves a task by routing attempt N+1 before anything else, so a worker that
+    finds a lower number on its message holds a stale copy and must not run it. None when
+    no ``routed`` is stored (the log was cut): the caller runs what it holds.
+    """
+    data = await last_on(js, task_event(task_id, "routed"))
+    if data is None:
+        return None
+    event = task_event_decoder.decode(data)
+    return event.attempt if isinstance(event, TaskRouted) else None
+
+
 async def last_started(js: JetStreamContext, task_id: str, attempt: int) -> TaskStarted | None:
     """The latest ``started`` of this attempt: who began it, on which host, when."""
-    try:
-        stored = await js.get_last_msg(EVENTS_STREAM, task_event(task_id, "started"))
-    except NotFoundError:
+    data = await last_on(js, task_event(task_id, "started"))
+    if data is None:
         return None
-    event = task_event_decoder.decode(stored.data or b"")
+    event = task_event_decoder.decode(data)
     if isinstance(event, TaskStarted) and event.attempt == attempt:
         return event
     return None

@@ -24,6 +24,13 @@ _MAC = re.compile(r"^[0-9A-Fa-f]{2}([:-][0-9A-Fa-f]{2}){5}$")
 
 LogFormat = Literal["auto", "json", "console"]
 
+# Liveness, shared by every service that writes or judges a registry entry (they must agree:
+# each one sets the bucket's TTL at start). A worker heartbeats every second and is dead after
+# three missed beats, so the reaper moves a dead worker's task in under 5 s
+# (benchmarks/failover.py); a slower fleet raises both together.
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_WORKER_TTL_S = 3.0
+
 
 def default_worker_id() -> str:
     """The host's short name, made safe for a subject token."""
@@ -32,10 +39,38 @@ def default_worker_id() -> str:
     return cleaned[:128] if cleaned not in {"shared", "web"} else f"{cleaned}-worker"
 
 
+class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
+    """How a process proves who it is to NATS, and which CA it trusts (all optional).
+
+    The URL may carry ``user:password@`` or ``token@`` as well; these variables keep secrets
+    out of it. One of: user and password, a token, or a creds file (a JWT and its NKey seed).
+    """
+
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Settings every service has."""
 
     nats_url: str = "nats://127.0.0.1:4222"
+    # Credentials for a server with authorization (deploy/nats/nats-server.conf: one user
+    # per role). Unset: connect without.
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    nats_creds: str | None = None
+    """Path of a ``.creds`` file (decentralised auth: a user JWT and its seed)."""
+    nats_tls_ca: str | None = None
+    """Path of the CA certificate (PEM) that signed the server's; makes the connection TLS."""
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
+    """A client certificate and its key (PEM), for a server that verifies clients."""
     log_level: str = "info"
     log_format: LogFormat = "auto"
 
@@ -53,17 +88,43 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             settings = msgspec.convert(raw, cls, strict=False)
         except msgspec.ValidationError as exc:
             raise ConfigError(_name_variable(str(exc), raw)) from None
+        settings.check_nats()
         settings.check()
         return settings
 
     def check(self) -> None:
         """Cross-field checks; raise `ConfigError` naming the variable."""
 
+    def check_nats(self) -> None:
+        """The NATS credentials make sense together and their files exist."""
+        if (self.nats_user is None) != (self.nats_password is None):
+            raise ConfigError("NATS_USER and NATS_PASSWORD go together: set both or neither")
+        ways = (self.nats_user, self.nats_token, self.nats_creds)
+        if sum(way is not None for way in ways) > 1:
+            raise ConfigError("set one of NATS_USER/NATS_PASSWORD, NATS_TOKEN or NATS_CREDS")
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise ConfigError("NATS_TLS_CERT and NATS_TLS_KEY go together: set both or neither")
+        for name in ("nats_creds", "nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{name.upper()}={path!r}: no such file")
+
+    def nats_auth(self) -> NatsAuth:
+        return NatsAuth(
+            user=self.nats_user,
+            password=self.nats_password,
+            token=self.nats_token,
+            creds=self.nats_creds,
+            tls_ca=self.nats_tls_ca,
+            tls_cert=self.nats_tls_cert,
+            tls_key=self.nats_tls_key,
+        )
+
 
 class RouterSettings(Settings, frozen=True, kw_only=True):
     max_prompt_chars: int = 200_000
     default_timeout_s: float = 300.0
-    worker_ttl_s: float = 15.0
+    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
     gpu_models: list[str] = []
     wol_broadcast: str = "255.255.255.255"
     """Where Wake-on-LAN magic packets go (the sleeping machines' broadcast address)."""
@@ -86,8 +147,8 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
     """CPU workers also pull ``tasks.cpu.shared``."""
     sanity_check: bool = True
     sanity_timeout_s: float = 120.0
-    heartbeat_interval_s: float = 5.0
-    worker_ttl_s: float = 15.0
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
     ack_wait_s: float = 30.0
     backend_connect_timeout_s: float = 5.0
     stop_grace_s: float = 30.0
@@ -140,8 +201,8 @@ class WebSearchSettings(Settings, frozen=True, kw_only=True):
     summary_timeout_s: float = 60.0
     worker_id: str = msgspec.field(default_factory=default_web_worker_id)
     worker_host: str = msgspec.field(default_factory=socket.gethostname)
-    heartbeat_interval_s: float = 5.0
-    worker_ttl_s: float = 15.0
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
     ack_wait_s: float = 30.0
     backend_connect_timeout_s: float = 5.0
     stop_grace_s: float = 30.0
@@ -172,6 +233,75 @@ class WebSearchSettings(Settings, frozen=True, kw_only=True):
 class StatsSettings(Settings, frozen=True, kw_only=True):
     pg_dsn: str
     batch_size: int = 256
+
+
+class ReaperSettings(Settings, frozen=True, kw_only=True):
+    """``coordinator reaper``: how often it looks, and how long each problem may last."""
+
+    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
+    """A worker whose last heartbeat is older than this is dead (the workers' own setting)."""
+    reaper_interval_s: float = 1.0
+    stuck_grace_s: float = 30.0
+    """A task running this long past its own timeout is stuck."""
+    ghost_after_s: float = 10.0
+    """A task queued this long on a queue that nobody has worked on for as long is a ghost."""
+    duplicate_samples: int = 2
+    """Looks in a row that must see more than one pull waiting on a worker's consumer."""
+    max_attempts: int = 5
+    """A task is not moved again after this many attempts; it fails instead."""
+    reaper_lookback_s: float = 86_400.0
+    """How far back the event log is read at start to learn the tasks still under way."""
+    gpu_models: list[str] = []
+    """As the router's ``GPU_MODELS``: a moved task goes where the router would send it."""
+
+    def check(self) -> None:
+        for name in ("worker_ttl_s", "reaper_interval_s", "ghost_after_s", "reaper_lookback_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name.upper()} must be a positive number of seconds")
+        if self.stuck_grace_s < 0:
+            raise ConfigError("STUCK_GRACE_S must not be negative")
+        if self.duplicate_samples < 1:
+            raise ConfigError("DUPLICATE_SAMPLES must be at least 1")
+        if self.max_attempts < 1:
+            raise ConfigError("MAX_ATTEMPTS must be at least 1")
+
+
+class GatewaySettings(Settings, frozen=True, kw_only=True):
+    """``coordinator gateway``: the fleet as one Ollama- and OpenAI-compatible HTTP endpoint."""
+
+    gateway_host: str = "127.0.0.1"
+    """Loopback by default: the gateway has no authentication, so exposing it to a network
+    (``0.0.0.0``) is a deliberate choice, as with Ollama's own ``OLLAMA_HOST``."""
+    gateway_port: int = 11400
+    gateway_task_timeout_s: float | None = None
+    """The timeout the gateway's tasks ask for; unset: the router's ``DEFAULT_TIMEOUT_S``."""
+    gateway_reply_timeout_s: float = 400.0
+    """The longest the gateway waits for the router's next message before answering 504."""
+    gateway_retry_after_s: int = 5
+    """``Retry-After`` on 503 answers (no live worker, no router): about one heartbeat."""
+
+    def check(self) -> None:
+        if not 0 < self.gateway_port < 65536:
+            raise ConfigError(f"GATEWAY_PORT must be a TCP port (1-65535), got {self.gateway_port}")
+        if self.gateway_task_timeout_s is not None and self.gateway_task_timeout_s <= 0:
+            raise ConfigError("GATEWAY_TASK_TIMEOUT_S must be a positive number of seconds")
+        if self.gateway_reply_timeout_s <= 0:
+            raise ConfigError("GATEWAY_REPLY_TIMEOUT_S must be a positive number of seconds")
+        if self.gateway_retry_after_s < 0:
+            raise ConfigError("GATEWAY_RETRY_AFTER_S must not be negative")
+
+
+class SetupSettings(Settings, frozen=True, kw_only=True):
+    """``coordinator setup``: the streams' and buckets' settings (with the admin NATS user)."""
+
+    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
+    """The registry bucket's TTL: keep it equal to the workers' and the router's."""
+    events_max_age_s: float = 0.0
+    """How long events are kept; 0 keeps every event (the statistics can be rebuilt from all)."""
+
+    def check(self) -> None:
+        if self.worker_ttl_s <= 0 or self.events_max_age_s < 0:
+            raise ConfigError("WORKER_TTL_S must be positive and EVENTS_MAX_AGE_S not negative")
 
 
 class UpSettings(Settings, frozen=True, kw_only=True):

@@ -39,6 +39,7 @@ from schemas.events import (
 )
 from schemas.queries import TaskView
 from schemas.route import TaskStatus
+from services.runtime.errors import Cancelled
 from services.stats.domains import classify_domain
 
 TERMINAL_STATUSES: frozenset[TaskStatus] = frozenset({"done", "failed"})
@@ -135,6 +136,8 @@ def outcome_of(before: TaskState | None, after: TaskState | None) -> Outcome | N
     """
     if after is None or not after.terminal or not after.model:
         return None
+    if after.error_code == Cancelled.code:
+        return None  # the client went away: says nothing of the worker's or the model's speed
     if before is not None and before.terminal and before.attempt == after.attempt:
         return None
     return Outcome(

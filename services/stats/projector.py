@@ -48,6 +48,9 @@ from schemas.events import (
     TaskRouted,
     TaskStarted,
     TaskSubmitted,
+    WakeRequested,
+    WorkerAsleep,
+    WorkerDuplicate,
     WorkerRegistered,
     WorkerStopped,
 )
@@ -475,6 +478,8 @@ async def _apply_other(batch: _Batch, seq: int, event: AnyEvent) -> None:
                 [clean(s) for s in event.slow],
                 seq,
             )
+        case WorkerAsleep() | WakeRequested() | WorkerDuplicate():
+            pass  # facts for the router and for people; nothing in the read model
         case _:
             raise AssertionError(f"not a non-task event: {event!r}")  # task events: project()
 

@@ -42,6 +42,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.service import Service
+from opentelemetry import trace
 
 from schemas.events import (
     AliasRemoved,
@@ -95,6 +96,7 @@ from services.runtime.endpoints import add_endpoint
 from services.runtime.errors import BadRequest, CoordinatorError, NotFound, Unavailable
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import StatsSettings
+from services.runtime.tracing import extract_context
 from services.stats.aliases import check_alias
 from services.stats.figures import kv_key, routing_figure
 from services.stats.projector import FigureKey
@@ -102,6 +104,7 @@ from services.stats.rebuild import RebuildBusy, rebuild
 from services.stats.store import Store, Unstorable
 
 log = structlog.get_logger("stats")
+tracer = trace.get_tracer("coordinator.stats")
 
 CONSUMER: Final = "stats"
 SERVICE_NAME: Final = "coordinator-stats"
@@ -222,6 +225,7 @@ class StatsService:
         self._dirty: set[FigureKey] = set()
         self._full_sync = True
         self._publish_now = asyncio.Event()
+        self._batch_started_ns = 0
 
     async def start(self) -> None:
         """Set up streams, consumer and bucket, start projecting, then serve the endpoints."""
@@ -323,6 +327,7 @@ class StatsService:
 
     async def _apply_batch(self, msgs: list[Msg]) -> bool:
         """Apply ``msgs`` in one transaction; False when PostgreSQL failed (all nak'ed)."""
+        self._batch_started_ns = time.time_ns()
         decoded: list[tuple[Msg, int, AnyEvent]] = []
         for msg in msgs:
             seq = msg.metadata.sequence.stream
@@ -393,8 +398,16 @@ class StatsService:
         return True
 
     async def _ack(self, msg: Msg, seq: int, event: AnyEvent, *, applied: bool) -> None:
-        """Ack a committed event, with its one log line."""
-        with _bound(msg, seq, event):
+        """Ack a committed event, with its one log line, in a ``project event`` span that
+        continues the trace the event carries (from the batch's start to its ack)."""
+        span = tracer.start_as_current_span(
+            "project event",
+            context=extract_context(msg.headers),
+            start_time=self._batch_started_ns,
+            kind=trace.SpanKind.CONSUMER,
+            attributes={"messaging.destination.name": msg.subject, "stream_seq": seq},
+        )
+        with _bound(msg, seq, event), span:
             try:
                 await msg.ack()
             except Exception as exc:
@@ -632,7 +645,7 @@ async def run(settings: StatsSettings, stop: asyncio.Event) -> None:
     store = await Store.connect(settings.pg_dsn)
     try:
         await store.apply_schema()
-        nc = await connect(settings.nats_url, SERVICE_NAME)
+        nc = await connect(settings.nats_url, SERVICE_NAME, auth=settings.nats_auth())
         service = StatsService(nc, store, settings)
         try:
             await service.start()

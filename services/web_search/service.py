@@ -200,11 +200,14 @@ class WebSearchWorker:
             state="busy" if self.current_task else "idle",
             current_task=self.current_task,
             backend=self.settings.summary_backend,
+            backend_url=self.backend.address,
         )
 
     async def ensure_consumer(self) -> JetStreamContext.PullSubscription:
         """Create (or find) the shared ``web`` consumer and bind to it."""
         config = ConsumerConfig(
+            # Named: the create request then names the filter, which NATS permissions can pin.
+            name=WEB_CONSUMER,
             durable_name=WEB_CONSUMER,
             filter_subject=WEB_QUEUE,
             ack_policy=AckPolicy.EXPLICIT,
@@ -559,7 +562,11 @@ def _ms_since(began: float) -> float:
 
 async def run(settings: WebSearchSettings, stop: asyncio.Event) -> None:
     """Run one web-search worker until ``stop`` is set."""
-    nc = await connect(settings.nats_url, f"coordinator-web-search-{settings.worker_id}")
+    nc = await connect(
+        settings.nats_url,
+        f"coordinator-web-search-{settings.worker_id}",
+        auth=settings.nats_auth(),
+    )
     searxng = SearxngClient(
         settings.searxng_url, connect_timeout_s=settings.backend_connect_timeout_s
     )

@@ -13,16 +13,21 @@ import os
 import shlex
 import time
 import uuid
+from collections import OrderedDict
 from contextlib import suppress
+from typing import Any
 
 import msgspec
 import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import BadRequestError
+from opentelemetry import trace
+from structlog.typing import FilteringBoundLogger
 
 from schemas.events import (
     Durations,
@@ -33,25 +38,34 @@ from schemas.events import (
     WorkerRegistered,
     WorkerStopped,
 )
-from schemas.route import CHUNK_HEADER, StreamChunk
-from schemas.subjects import ASLEEP_BUCKET, SHARED_CPU_QUEUE, TASKS_STREAM, worker_queue_filter
+from schemas.route import CHUNK_HEADER, CancelRequest, StreamChunk
+from schemas.subjects import (
+    ASLEEP_BUCKET,
+    CANCEL_NOTICES,
+    SHARED_CPU_QUEUE,
+    TASKS_STREAM,
+    worker_queue_filter,
+)
 from schemas.tasks import TaskMessage
 from schemas.workers import WorkerRecord
 from services import __version__
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import connect, ensure_bucket, ensure_streams, publish_event
-from services.runtime.errors import BackendError, BackendUnavailable, ConfigError
+from services.runtime.errors import BackendError, BackendUnavailable, Cancelled, ConfigError
 from services.runtime.lease import Lease, LeaseLost
-from services.runtime.outcomes import KeepAlive, store_outcome, stored_outcome
+from services.runtime.outcomes import KeepAlive, current_attempt, store_outcome, stored_outcome
 from services.runtime.settings import WorkerSettings
-from services.worker.backends import Backend, OnChunk
+from services.runtime.tracing import extract_context
+from services.worker.backends import Backend, Generation, OnChunk
 from services.worker.backends.ollama import OllamaBackend
 from services.worker.backends.openai import OpenAIBackend
 from services.worker.idle import should_sleep
 
 log = structlog.get_logger("worker")
+tracer = trace.get_tracer("coordinator.worker")
 
 _task_decoder = msgspec.json.Decoder(TaskMessage)
+_cancel_decoder = msgspec.json.Decoder(CancelRequest)
 _encoder = msgspec.json.Encoder()
 
 # A prompt any model can answer quickly; it only has to come back without an error.
@@ -65,6 +79,18 @@ SHARED_MAX_ACK_PENDING = 1_000
 # routed to this worker waits at most this long while the worker looks at the shared queue).
 OWN_POLL_S = 1.0
 SHARED_POLL_S = 0.2
+# A no-wait pull is answered at once; this only bounds a lost answer.
+NO_WAIT_TIMEOUT_S = 2.0
+_NO_WAIT_PULL = b'{"batch":1,"no_wait":true}'
+# Cancel notices kept for tasks this worker may take later (queued ones); oldest forgotten first.
+CANCEL_MEMORY = 1024
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a background publish's failure as seen (it is handled where it is awaited, if the
+    task gets that far; otherwise the task was stopped and nothing waits for it)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def consumer_name(worker_id: str) -> str:
@@ -85,8 +111,14 @@ class Worker:
         self.aliases = AliasFollower(self.js)
         self.started_at = time.time()
         self.current_task: str | None = None
+        self.current_model: str | None = None
         self.completed = 0
         self.failed = 0
+        self.cancelled = 0
+        # task id -> why it was cancelled, from `CANCEL_NOTICES`.
+        self._cancels: OrderedDict[str, str] = OrderedDict()
+        self._generation: asyncio.Future[Generation] | None = None
+        self._cancel_sub: Subscription | None = None
         self.lease: Lease | None = None
         self.last_activity = self.started_at
         self.asleep = asyncio.Event()
@@ -179,7 +211,9 @@ class Worker:
             heartbeat_at=time.time(),
             state="busy" if self.current_task else "idle",
             current_task=self.current_task,
+            current_model=self.current_model if self.current_task else None,
             backend=self.settings.worker_backend,
+            backend_url=self.backend.address,
             wol_mac=self.settings.wol_mac,
         )
 
@@ -202,6 +236,9 @@ class Worker:
         self, name: str, subject: str, max_ack_pending: int
     ) -> JetStreamContext.PullSubscription:
         config = ConsumerConfig(
+            # With a name, the create request names the filter in its subject
+            # ($JS.API.CONSUMER.CREATE.TASKS.<name>.<filter>), which NATS permissions can pin.
+            name=name,
             durable_name=name,
             filter_subject=subject,
             ack_policy=AckPolicy.EXPLICIT,
@@ -233,6 +270,8 @@ class Worker:
             await (await ensure_bucket(self.js, ASLEEP_BUCKET, ttl_s=None)).delete(
                 self.settings.worker_id
             )
+        # Before the first task can arrive, so no cancel for a task taken here is missed.
+        self._cancel_sub = await self.nc.subscribe(CANCEL_NOTICES, cb=self._on_cancel)
         sub = await self.ensure_consumer()
         await publish_event(
             self.js,
@@ -269,7 +308,7 @@ class Worker:
                 background.cancel()
                 with suppress(asyncio.CancelledError):
                     await background
-            for bound in (sub, shared):
+            for bound in (sub, shared, self._cancel_sub):
                 if bound is not None:
                     with suppress(Exception):
                         await bound.unsubscribe()
@@ -278,7 +317,12 @@ class Worker:
             else:
                 await self._deregister("lease lost" if self.lease.lost.is_set() else "stopped")
             await self.aliases.stop()
-        log.info("worker stopped", completed=self.completed, failed=self.failed)
+        log.info(
+            "worker stopped",
+            completed=self.completed,
+            failed=self.failed,
+            cancelled=self.cancelled,
+        )
         if self.lease.lost.is_set():
             raise LeaseLost(f"worker '{self.settings.worker_id}' stopped: its lease was taken over")
 
@@ -292,22 +336,34 @@ class Worker:
 
         The worker's own queue is asked first and longest; the shared queue briefly, and only
         when the own queue had nothing. After any task the own queue comes first again.
+
+        With a shared queue, right after a task both queues are first looked at without
+        waiting (own, then shared): at full load the router sends every task to the shared
+        queue, and a worker that went back to a long poll of its empty own queue would idle
+        `OWN_POLL_S` per task while the shared queue fills.
         """
         lost = self.lease.lost if self.lease is not None else asyncio.Event()
-        sources = [(sub, OWN_POLL_S)] + ([(shared, SHARED_POLL_S)] if shared else [])
+        usual = [(sub, OWN_POLL_S)] + ([(shared, SHARED_POLL_S)] if shared else [])
+        after_task = [(sub, 0.0), (shared, 0.0), *usual] if shared else usual
+        sources = usual
         while not (stop.is_set() or lost.is_set() or self.asleep.is_set()):
-            for source, poll_s in sources:
+            sources_now, sources = sources, usual
+            for source, poll_s in sources_now:
                 msg = await self._fetch_one(source, poll_s)
                 if msg is not None:
                     if source is shared and not await self._serves(msg):
                         continue
                     await self._run_guarded(msg, stop)
+                    sources = after_task
                     break
 
     async def _fetch_one(
         self, source: JetStreamContext.PullSubscription, poll_s: float
     ) -> Msg | None:
+        """The source's next message, waiting up to ``poll_s`` (0: only one already there)."""
         try:
+            if poll_s == 0:
+                return await self._fetch_ready(source)
             msgs = await source.fetch(1, timeout=poll_s)
         except (nats.errors.TimeoutError, TimeoutError):
             return None
@@ -316,6 +372,29 @@ class Worker:
             await asyncio.sleep(0.5)
             return None
         return msgs[0] if msgs else None
+
+    async def _fetch_ready(self, source: JetStreamContext.PullSubscription) -> Msg | None:
+        """The source's next message if one is there, without holding a pull request open.
+
+        nats.py's ``fetch`` always waits; this is its ``_fetch_one`` with ``no_wait`` (the
+        server answers at once: the message, or a "404 No Messages" status), on the
+        subscription's own inbox, so a message that arrived after an earlier fetch gave up is
+        taken first, and a late answer is found by the next fetch. (nats-py 2.16.0 internals.)
+        """
+        sub = source._sub
+        while not sub._pending_queue.empty():
+            msg = sub._pending_queue.get_nowait()
+            sub._pending_size -= len(msg.data)
+            if not JetStreamContext.is_status_msg(msg):
+                return msg
+        await self.nc.publish(source._nms, _NO_WAIT_PULL, reply=source._deliver)
+        while True:
+            msg = await sub.next_msg(timeout=NO_WAIT_TIMEOUT_S)
+            status = JetStreamContext.is_status_msg(msg)
+            if not status:
+                return msg
+            if status != "100":  # 100 is a heartbeat; anything else ends this pull
+                return None
 
     async def _serves(self, msg: Msg) -> bool:
         """A shared task for a model this worker lacks goes back for another worker."""
@@ -331,7 +410,7 @@ class Worker:
 
     async def _run_guarded(self, msg: Msg, stop: asyncio.Event) -> None:
         """Run one task; on stop, give it ``stop_grace_s`` and then return it to the queue."""
-        work = asyncio.create_task(self.handle(msg))
+        work = asyncio.create_task(self._handle_traced(msg))
         stopping = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -352,6 +431,16 @@ class Worker:
         finally:
             stopping.cancel()
 
+    async def _handle_traced(self, msg: Msg) -> None:
+        """`handle` in a ``run task`` span continuing the router's trace (``traceparent``)."""
+        with tracer.start_as_current_span(
+            "run task",
+            context=extract_context(msg.headers),
+            kind=trace.SpanKind.CONSUMER,
+            attributes={"messaging.destination.name": msg.subject},
+        ):
+            await self.handle(msg)
+
     async def handle(self, msg: Msg) -> None:
         """Run one task message to an outcome event, then acknowledge it."""
         try:
@@ -366,23 +455,29 @@ class Worker:
             subject=msg.subject,
             stream_seq=msg.metadata.sequence.stream,
         )
-        if msg.metadata.num_delivered > 1 and await self._already_ended(task):
-            bound.info("redelivered task had already ended; acknowledging")
-            await msg.ack()
+        if await self._settled(task, msg, bound):
             return
         self.current_task = task.task_id
+        self.current_model = task.model
+        outcome: TaskCompleted | TaskFailed
         try:
-            await publish_event(
-                self.js,
-                TaskStarted(
+            if task.task_id in self._cancels:
+                outcome = self._cancelled_outcome(task, None)  # cancelled while queued: not run
+            else:
+                started_event = TaskStarted(
                     at=time.time(),
                     task_id=task.task_id,
                     attempt=task.attempt,
                     worker=self.settings.worker_id,
                     host=self.settings.worker_host,
-                ),
-            )
-            outcome = await self._generate(task, msg)
+                )
+                # Sent now, its acknowledgement awaited only before the outcome is stored: the
+                # backend call does not wait a round trip for it, and the log still has the
+                # start before the end (`_started_stored`).
+                started = asyncio.ensure_future(publish_event(self.js, started_event))
+                started.add_done_callback(_retrieved)
+                outcome = await self._generate(task, msg)
+                await self._started_stored(started, started_event)
             await self._store_outcome(outcome)
             await msg.ack()
         except Exception as exc:
@@ -397,23 +492,78 @@ class Worker:
         if isinstance(outcome, TaskCompleted):
             self.completed += 1
             bound.info("task done", total_ms=round(outcome.durations.total_ms, 1))
+        elif outcome.code == Cancelled.code:
+            self.cancelled += 1
+            bound.info("task cancelled", reason=outcome.reason)
         else:
             self.failed += 1
             bound.warning("task failed", code=outcome.code, reason=outcome.reason)
 
+    async def _started_stored(self, started: asyncio.Future[Any], event: TaskStarted) -> None:
+        """Wait for the pipelined ``started`` to be stored; publish it again if it was not (a
+        second copy after a lost acknowledgement is what a redelivery would give anyway)."""
+        try:
+            await started
+        except Exception as exc:
+            log.warning("storing the started event failed; publishing it again", error=repr(exc))
+            await publish_event(self.js, event)
+
+    async def _settled(self, task: TaskMessage, msg: Msg, bound: FilteringBoundLogger) -> bool:
+        """Nothing to run: a redelivered task that already ended (acknowledged), or a copy of
+        an attempt the reaper has moved on from (dropped unrun: attempt fencing).
+
+        The reaper routes attempt N+1 before it deletes attempt N's copies, so a copy that got
+        here first (a worker back from the dead, a ghost queue pulled at last) is recognised.
+        """
+        try:
+            ended = msg.metadata.num_delivered > 1 and await self._already_ended(task)
+            current = None if ended else await current_attempt(self.js, task.task_id)
+        except Exception as exc:  # the bus is reconnecting: look again on the redelivery
+            bound.warning("task state unknown; returned to the queue", error=repr(exc))
+            with suppress(Exception):
+                await msg.nak(delay=1)
+            return True
+        if ended:
+            bound.info("redelivered task had already ended; acknowledging")
+            await msg.ack()
+            return True
+        if current is None or current <= task.attempt:
+            return False
+        bound.warning("stale attempt: the task was moved on; dropped unrun", current=current)
+        await msg.term()
+        return True
+
     async def _generate(self, task: TaskMessage, msg: Msg) -> TaskCompleted | TaskFailed:
         on_chunk = self._chunk_publisher(task) if task.stream_subject else None
         started = time.perf_counter()
+        if task.task_id in self._cancels:
+            return self._cancelled_outcome(task, started)
         try:
             async with KeepAlive(msg, self.settings.ack_wait_s) as alive:
-                result = await self.backend.generate(
-                    self.backend_name(task.model),
-                    task.prompt,
-                    options=task.options,
-                    timeout_s=task.timeout_s,
-                    progress=alive.progress,
-                    on_chunk=on_chunk,
+                # A future of its own, so a cancel notice can stop the backend call alone.
+                self._generation = asyncio.ensure_future(
+                    self.backend.generate(
+                        self.backend_name(task.model),
+                        task.prompt,
+                        options=task.options,
+                        timeout_s=task.timeout_s,
+                        progress=alive.progress,
+                        on_chunk=on_chunk,
+                        messages=task.messages,
+                        think=task.think,
+                    )
                 )
+                with tracer.start_as_current_span(
+                    "backend generate",
+                    kind=trace.SpanKind.CLIENT,
+                    attributes={"server.address": self.backend.address, "model": task.model},
+                ):
+                    result = await self._generation
+        except asyncio.CancelledError:
+            this = asyncio.current_task()
+            if (this is not None and this.cancelling()) or task.task_id not in self._cancels:
+                raise  # the worker itself is stopping
+            return self._cancelled_outcome(task, started)
         except BackendError as exc:
             return TaskFailed(
                 at=time.time(),
@@ -425,6 +575,8 @@ class Worker:
                 retryable=exc.retryable,
                 durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
             )
+        finally:
+            self._generation = None
         return TaskCompleted(
             at=time.time(),
             task_id=task.task_id,
@@ -438,6 +590,36 @@ class Worker:
             ),
             tokens=result.tokens,
         )
+
+    def _cancelled_outcome(self, task: TaskMessage, started: float | None) -> TaskFailed:
+        """The outcome of a task whose client cancelled it; not retryable: nobody waits."""
+        durations = (
+            None if started is None else Durations(total_ms=(time.perf_counter() - started) * 1000)
+        )
+        return TaskFailed(
+            at=time.time(),
+            task_id=task.task_id,
+            attempt=task.attempt,
+            worker=self.settings.worker_id,
+            code=Cancelled.code,
+            reason=self._cancels.get(task.task_id) or "cancelled by its client",
+            durations=durations,
+        )
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        """Remember a cancel notice; stop the backend call if it is for the running task."""
+        try:
+            notice = _cancel_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if notice.task_id is None:
+            return  # the router's notices always name the task
+        self._cancels[notice.task_id] = notice.reason or "cancelled by its client"
+        while len(self._cancels) > CANCEL_MEMORY:
+            self._cancels.popitem(last=False)
+        if notice.task_id == self.current_task and self._generation is not None:
+            log.info("cancelling the running task", task_id=notice.task_id, reason=notice.reason)
+            self._generation.cancel()
 
     def _chunk_publisher(self, task: TaskMessage) -> OnChunk:
         """Publish each piece to the task's stream subject (core NATS: a lost chunk is only a
@@ -538,7 +720,9 @@ def make_backend(settings: WorkerSettings) -> Backend:
 
 async def run(settings: WorkerSettings, stop: asyncio.Event) -> None:
     """Run one worker until ``stop`` is set."""
-    nc = await connect(settings.nats_url, f"coordinator-worker-{settings.worker_id}")
+    nc = await connect(
+        settings.nats_url, f"coordinator-worker-{settings.worker_id}", auth=settings.nats_auth()
+    )
     backend = make_backend(settings)
     try:
         await Worker(nc, settings, backend).run(stop)

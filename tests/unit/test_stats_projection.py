@@ -337,3 +337,14 @@ def test_view_of_a_failed_task_says_code_and_reason() -> None:
     view = to_view(replay(submitted(), routed(), failed()))
 
     assert view.error == "backend_error: boom"
+
+
+def test_a_cancelled_task_fails_but_counts_in_no_figure() -> None:
+    before = replay(submitted(), routed(), started())
+    cancelled = TaskFailed(
+        at=110.0, task_id=TASK, attempt=1, worker="mac", code="cancelled", reason="client left"
+    )
+    after = evolve(before, cancelled)
+
+    assert after.status == "failed" and after.error_code == "cancelled"
+    assert outcome_of(before, after) is None  # the client went away: nothing about the worker

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from schemas.events import Durations, Tokens
+from schemas.route import ChatMessage
 
 # Called as output arrives, so a long generation can tell the bus it is still working.
 Progress = Callable[[], Awaitable[None]]
 # Called with each piece of output as it arrives: (response piece, thinking piece).
 OnChunk = Callable[[str, str], Awaitable[None]]
+
+# How long the rest of a streamed body is read after its last message (see `drain`).
+DRAIN_S = 1.0
+
+
+async def drain(lines: AsyncIterator[Any]) -> None:
+    """Read what follows a stream's last message (from a well-behaved server only the body's
+    end), so the connection goes back to the pool instead of being closed: a new TCP
+    connection per task costs more than the rest of the request. A server that keeps the
+    body open past it only loses that connection's reuse."""
+    with suppress(Exception):
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in lines:
+                pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +61,13 @@ class Backend(Protocol):
         timeout_s: float,
         progress: Progress | None = None,
         on_chunk: OnChunk | None = None,
+        messages: list[ChatMessage] | None = None,
+        think: bool | str | None = None,
     ) -> Generation:
-        """Run one prompt to completion within ``timeout_s``; ``on_chunk`` sees the pieces."""
+        """Run one prompt to completion within ``timeout_s``; ``on_chunk`` sees the pieces.
+
+        With ``messages`` the conversation goes to the server's chat API instead of ``prompt``
+        (which then holds the same conversation as text); ``think`` is Ollama's switch."""
         ...
 
     async def aclose(self) -> None: ...

@@ -17,8 +17,9 @@ import httpx
 import msgspec
 
 from schemas.events import Durations, Tokens
+from schemas.route import ChatMessage
 from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
-from services.worker.backends import Generation, OnChunk, Progress
+from services.worker.backends import Generation, OnChunk, Progress, drain
 
 # Ollama's option names mapped to OpenAI's request fields.
 _OPTION_FIELDS = {
@@ -126,16 +127,25 @@ class OpenAIBackend:
         timeout_s: float,
         progress: Progress | None = None,
         on_chunk: OnChunk | None = None,
+        messages: list[ChatMessage] | None = None,
+        think: bool | str | None = None,
     ) -> Generation:
+        conversation = (
+            [{"role": m.role, "content": m.content} for m in messages]
+            if messages
+            else [{"role": "user", "content": prompt}]
+        )
         body: dict[str, Any] = {
             "model": model,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": conversation,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
         for name, value in (options or {}).items():
             if name in _OPTION_FIELDS:
                 body[_OPTION_FIELDS[name]] = value
+        if isinstance(think, str):
+            body["reasoning_effort"] = think  # how OpenAI's API (and Ollama's /v1) say it
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
@@ -173,12 +183,14 @@ class OpenAIBackend:
                 raise BackendError(
                     f"{self._base_url} answered HTTP {reply.status_code}: {text[:300]}"
                 )
-            async for line in reply.aiter_lines():
+            lines = reply.aiter_lines()
+            async for line in lines:
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
                     finished = True
+                    await drain(lines)  # to the body's end: the connection is kept
                     break
                 try:
                     chunk = _chunk_decoder.decode(data)

@@ -1,0 +1,1 @@
+"""The HTTP gateway: the fleet as one Ollama- and OpenAI-compatible endpoint."""

@@ -1,0 +1,196 @@
+"""The reaper's writes: moving a task (a new attempt), failing it, reporting a duplicate.
+
+Moving attempt N to attempt N+1, in this order:
+
+1. the task's ``submitted`` event is read back (the whole request: prompt, options, chat
+   messages), so the new message is the task as the client asked for it;
+2. ``routed`` (attempt N+1) is stored: the fence. From now on a worker holding a copy of
+   attempt N finds a newer attempt routed and drops it unrun (``services/worker``), and the
+   router and the stats projection count only attempt N+1's outcome;
+3. every copy of attempts up to N still in ``TASKS`` is deleted, so none can run later (a copy
+   in flight on a dead worker is deleted too: its consumer will not redeliver it, and the
+   server frees that worker's one-task slot at once);
+4. the task message of attempt N+1 goes to its new queue (``Nats-Msg-Id <task>:<N+1>``).
+
+Every write carries a message id of its attempt, so a reaper that dies halfway and looks again
+(or a second reaper) repeats none of them: a repeated ``routed`` or message is dropped by the
+stream, and a routed attempt whose message never went out is found as a ghost and moved on.
+
+Failing deletes the copies first, then stores the failure with the attempt's outcome message
+id: a worker that still finishes that attempt cannot store a second outcome for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import msgspec
+import structlog
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
+
+from schemas.events import (
+    TaskFailed,
+    TaskRouted,
+    TaskSubmitted,
+    WorkerDuplicate,
+    encoder,
+    task_event_decoder,
+)
+from schemas.subjects import TASKS_STREAM, task_event
+from schemas.tasks import TaskMessage
+from services.reaper.decisions import Fail, Move
+from services.reaper.detectors import DuplicateFinding
+from services.runtime.bus import publish_event
+from services.runtime.errors import CoordinatorError
+from services.runtime.outcomes import last_on, store_outcome
+
+log = structlog.get_logger("reaper")
+
+
+class _Queued(msgspec.Struct):
+    """The two fields of a task message that say which attempt of which task it is."""
+
+    task_id: str
+    attempt: int
+
+
+_queued_decoder = msgspec.json.Decoder(_Queued)
+
+# JetStream's error code for a delete of a message that is not there (any more).
+MSG_DELETE_FAILED = 10057
+
+QueueIndex = dict[str, list[tuple[int, int]]]
+"""task id -> [(stream sequence, attempt)] of its messages on one queue."""
+
+
+class SubmissionLost(CoordinatorError):
+    """The task's ``submitted`` event is not in the log any more: it cannot be rebuilt."""
+
+    code = "submission_lost"
+
+
+def routed_msg_id(task_id: str, attempt: int) -> str:
+    """The ``routed`` event's message id (the router's for attempt 1 has the same shape)."""
+    return f"{task_id}:routed:{attempt}"
+
+
+def task_msg_id(task_id: str, attempt: int) -> str:
+    """The task message's id: ``Nats-Msg-Id = <task_id>:<attempt>`` (DESIGN, messaging)."""
+    return f"{task_id}:{attempt}"
+
+
+async def queue_index(js: JetStreamContext, queue: str) -> QueueIndex:
+    """Every message on ``queue`` still in ``TASKS`` (queued or in flight), by task."""
+    index: QueueIndex = {}
+    seq = 1
+    while True:
+        try:
+            raw = await js.get_msg(TASKS_STREAM, seq=seq, subject=queue, next=True)
+        except NotFoundError:
+            return index
+        if raw.seq is None:
+            return index
+        try:
+            queued = _queued_decoder.decode(raw.data or b"")
+        except msgspec.DecodeError:
+            pass  # not a task message: the workers terminate it
+        else:
+            index.setdefault(queued.task_id, []).append((raw.seq, queued.attempt))
+        seq = raw.seq + 1
+
+
+def copies_up_to(index: QueueIndex, task_id: str, attempt: int) -> list[int]:
+    """Stream sequences of the task's messages of ``attempt`` or earlier."""
+    return [seq for seq, a in index.get(task_id, []) if a <= attempt]
+
+
+class Actions:
+    """Writes to the bus on the reaper's behalf."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+
+    async def submission(self, task_id: str) -> TaskSubmitted:
+        """The task as it was submitted, from the event log."""
+        data = await last_on(self.js, task_event(task_id, "submitted"))
+        event = task_event_decoder.decode(data) if data is not None else None
+        if not isinstance(event, TaskSubmitted):
+            raise SubmissionLost(f"task {task_id}: its submission is not in the event log")
+        return event
+
+    async def move(self, move: Move, copies: Iterable[int]) -> None:
+        """Route the task again as ``move.attempt`` and take its older copies out of the queues."""
+        submitted = await self.submission(move.task_id)
+        decision = move.decision
+        await publish_event(
+            self.js,
+            TaskRouted(
+                at=time.time(),
+                task_id=move.task_id,
+                attempt=move.attempt,
+                worker=decision.worker_id,
+                queue=decision.queue,
+                reason=move.reason,
+            ),
+            msg_id=routed_msg_id(move.task_id, move.attempt),
+        )
+        await self.remove(copies)
+        message = TaskMessage(
+            task_id=move.task_id,
+            attempt=move.attempt,
+            model=submitted.model,
+            prompt=submitted.prompt,
+            task_type=submitted.task_type,
+            domain=submitted.domain,
+            options=submitted.options,
+            timeout_s=submitted.timeout_s,
+            submitted_at=submitted.at,
+            messages=submitted.messages,
+            think=submitted.think,
+        )
+        await self.js.publish(
+            decision.queue,
+            encoder.encode(message),
+            headers={"Nats-Msg-Id": task_msg_id(move.task_id, move.attempt)},
+        )
+
+    async def fail(self, fail: Fail, copies: Iterable[int]) -> None:
+        """Take the task's copies out of the queues, then store its failure."""
+        await self.remove(copies)
+        await store_outcome(
+            self.js,
+            TaskFailed(
+                at=time.time(),
+                task_id=fail.task_id,
+                attempt=fail.attempt,
+                worker=fail.worker,
+                code=fail.code,
+                reason=fail.reason,
+            ),
+        )
+
+    async def remove(self, copies: Iterable[int]) -> None:
+        """Delete task messages by stream sequence; one already gone (acked) is fine."""
+        for seq in copies:
+            try:
+                await self.js.delete_msg(TASKS_STREAM, seq)
+            except APIError as exc:
+                # Gone already: 404, or 10057 ("no message found", "stream store EOF").
+                if not isinstance(exc, NotFoundError) and exc.err_code != MSG_DELETE_FAILED:
+                    raise
+
+    async def report_duplicate(self, finding: DuplicateFinding) -> None:
+        """The event (``events.worker.<id>.duplicate``) that ``coordinator workers`` shows."""
+        await publish_event(
+            self.js,
+            WorkerDuplicate(
+                at=time.time(),
+                worker_id=finding.worker_id,
+                reason=finding.detail,
+                num_waiting=finding.num_waiting,
+                instances=list(finding.instances),
+                hosts=list(finding.hosts),
+            ),
+        )

@@ -1,0 +1,128 @@
+"""What the reaper does about a task finding: move it, or fail it saying why. Pure.
+
+- A task of a kind that is not re-dispatched (``schemas.tasks.is_retryable``: web search)
+  fails with the reason (lesson 8: its failures surface, never hide).
+- A task the client asked a named worker for fails too: it is never silently rerouted (one
+  its router never routed goes to that worker, if it is live).
+- A task already tried ``MAX_ATTEMPTS`` times fails (``too_many_attempts``).
+- Otherwise the router's own policy (`services.router.policy.choose`) picks another live
+  worker serving the model, any tier, never the one the finding names: the task is routed
+  again as attempt N+1. When there is none it fails with ``no alternative worker can serve
+  model '<m>' (reason=<reason>); single point of failure``.
+
+Which attempt a failure belongs to: the attempt that could not run (N), except after a
+retryable failure, whose attempt N already has its outcome; the reaper's verdict is then
+attempt N+1, the one it found no worker for. Either way a later, stale outcome cannot win.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from schemas.tasks import is_retryable
+from schemas.workers import WorkerRecord
+from services.reaper.detectors import DEAD_WORKER, TaskFinding
+from services.reaper.view import TaskTrack
+from services.router.policy import Decision, choose, live
+from services.runtime.errors import NoWorker, WorkerLost
+
+# Codes of the failures the reaper records (`TaskFailed.code`).
+NO_ALTERNATIVE: Final = "no_alternative_worker"
+TOO_MANY_ATTEMPTS: Final = "too_many_attempts"
+DESIGNATED_LOST: Final = "worker_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Route the task again, as ``attempt``, where ``decision`` says."""
+
+    task_id: str
+    attempt: int
+    decision: Decision
+    reason: str
+    """For the ``routed`` event: why it moved, and why there."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """End the task as failed."""
+
+    task_id: str
+    attempt: int
+    worker: str | None
+    code: str
+    reason: str
+
+
+def single_point_of_failure(model: str, reason: str) -> str:
+    """The failure of a task no other worker can take (lesson 4's wording)."""
+    return (
+        f"no alternative worker can serve model '{model}' (reason={reason}); "
+        "single point of failure"
+    )
+
+
+def decide(
+    finding: TaskFinding,
+    task: TaskTrack,
+    workers: Collection[WorkerRecord],
+    *,
+    now: float,
+    ttl_s: float,
+    max_attempts: int,
+    gpu_models: Collection[str] = (),
+    depth: Mapping[str, int] | None = None,
+) -> Move | Fail:
+    """Move ``task`` to another live worker, or fail it; ``workers`` is the whole registry."""
+    moved_on = task.status == "retry"
+    fail_attempt = task.attempt + 1 if moved_on else max(task.attempt, 1)
+
+    def fail(code: str, reason: str) -> Fail:
+        return Fail(task.task_id, fail_attempt, finding.worker, code, reason)
+
+    if not is_retryable(task.task_type):
+        code = WorkerLost.code if finding.reason == DEAD_WORKER else finding.reason
+        return fail(
+            code,
+            f"{task.task_type} tasks are not re-dispatched (reason={finding.reason}): "
+            f"{finding.detail}",
+        )
+    alive = live(workers, now, ttl_s)
+    if task.designated is not None and task.status == "unrouted":
+        # Never routed (its router stopped midway): route it where the client asked.
+        try:
+            decision = choose(task.model, alive, designated=task.designated)
+        except NoWorker as exc:
+            return fail(DESIGNATED_LOST, f"{exc.message} (reason={finding.reason})")
+        return Move(task.task_id, 1, decision, f"routed by the reaper ({finding.detail})")
+    if task.designated is not None:
+        return fail(
+            DESIGNATED_LOST,
+            f"worker '{task.designated}' was asked for by name and cannot run the task "
+            f"(reason={finding.reason}): {finding.detail}; a task for a named worker is not "
+            "moved to another",
+        )
+    if not task.model:
+        return fail(
+            finding.reason,
+            f"the task's submission is no longer in the event log, so it cannot be routed again "
+            f"(reason={finding.reason}): {finding.detail}",
+        )
+    if task.attempt + 1 > max_attempts:
+        return fail(
+            TOO_MANY_ATTEMPTS,
+            f"gave up after {task.attempt} attempts (reason={finding.reason}): {finding.detail}",
+        )
+    others = [w for w in alive if w.worker_id != finding.worker]
+    try:
+        decision = choose(task.model, others, gpu_models=gpu_models, depth=depth)
+    except NoWorker:
+        return fail(NO_ALTERNATIVE, single_point_of_failure(task.model, finding.reason))
+    return Move(
+        task.task_id,
+        task.attempt + 1,
+        decision,
+        f"moved by the reaper ({finding.reason}: {finding.detail}); {decision.reason}",
+    )

@@ -1,0 +1,64 @@
+"""Following a KV bucket across nats-server restarts.
+
+A KV watch is an ordered consumer the server keeps in memory: when the server restarts, the
+consumer is gone, and the client only notices after missing two idle heartbeats (10 to 20 s
+with nats.py's defaults). With heartbeats judged stale after a few seconds, that is long enough
+to take every worker for dead. So a watch is started again, from the bucket's current values,
+as soon as the connection has been re-established.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import suppress
+
+import msgspec
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.js.kv import KeyValue
+
+log = structlog.get_logger("watch")
+
+# How often a quiet watch checks whether the connection was re-established meanwhile.
+RECONNECT_CHECK_S = 0.25
+
+
+def reconnects(nc: Client) -> int:
+    """How many times this client has reconnected (it changes on every new connection)."""
+    return int(nc.stats["reconnects"])
+
+
+async def follow_bucket(
+    nc: Client, kv: KeyValue, on_entry: Callable[[KeyValue.Entry], None], ready: asyncio.Event
+) -> None:
+    """Feed every value of ``kv`` (current ones first, then changes) to ``on_entry``, for ever.
+
+    ``ready`` is set once the current values have been fed. A value ``on_entry`` cannot decode
+    is logged and skipped. Run it as a task; cancel it to stop.
+    """
+    while True:
+        seen = reconnects(nc)
+        try:
+            watcher = await kv.watchall()
+        except Exception as exc:  # the server is not back yet
+            log.warning("bucket watch not started; trying again", error=repr(exc))
+            await asyncio.sleep(1.0)
+            continue
+        try:
+            while reconnects(nc) == seen:
+                try:
+                    entry = await watcher.updates(timeout=RECONNECT_CHECK_S)  # type: ignore[no-untyped-call]
+                except nats.errors.TimeoutError:
+                    continue
+                if entry is None:
+                    ready.set()
+                    continue
+                try:
+                    on_entry(entry)
+                except msgspec.DecodeError:
+                    log.warning("ignoring a malformed value", key=entry.key)
+        finally:
+            with suppress(Exception):
+                await watcher.stop()  # type: ignore[no-untyped-call]

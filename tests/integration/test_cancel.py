@@ -1,0 +1,93 @@
+"""``coordinator.cancel``: a task whose client went away stops, or never runs."""
+
+from __future__ import annotations
+
+import msgspec
+from nats.aio.client import Client
+
+from tests.fakes.ollama import FakeOllama
+from tests.harness import ServiceRunner, eventually, request, workers_live
+from tests.servers import NatsServer
+
+MODEL = "qwen2.5:0.5b"
+
+
+async def outcome(nc: Client, task_id: str) -> dict[str, object]:
+    js = nc.jetstream()
+
+    async def check() -> dict[str, object] | None:
+        for kind in ("completed", "failed"):
+            try:
+                msg = await js.get_last_msg("EVENTS", f"events.task.{task_id}.{kind}")
+            except Exception:
+                continue
+            event: dict[str, object] = msgspec.json.decode(msg.data or b"")
+            return event
+        return None
+
+    found: dict[str, object] = await eventually(check, timeout_s=10)
+    return found
+
+
+async def test_a_queued_task_that_is_cancelled_is_never_run(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    ollama.delay_s = 1.0
+    calls_before = ollama.stats()["generate_calls"]  # the sanity runs
+
+    first, _ = await request(nc, "coordinator.route", {"prompt": "one", "model": MODEL})
+    second, _ = await request(
+        nc, "coordinator.route", {"prompt": "two", "model": MODEL, "worker": "cpu-1"}
+    )
+    cancel, headers = await request(
+        nc, "coordinator.cancel", {"task_id": second["task_id"], "reason": "changed my mind"}
+    )
+
+    assert "Nats-Service-Error-Code" not in headers, cancel
+    assert cancel == {"task_id": second["task_id"], "status": "cancelling"}
+    ended = await outcome(nc, second["task_id"])
+    assert ended["type"] == "failed" and ended["code"] == "cancelled"
+    assert ended["reason"] == "changed my mind"
+    assert (await outcome(nc, first["task_id"]))["type"] == "completed"
+    assert ollama.stats()["generate_calls"] - calls_before == 1  # only the first one ran
+
+
+async def test_a_running_task_that_is_cancelled_stops_its_backend_call(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    ollama.delay_s = 5.0
+    routed, _ = await request(nc, "coordinator.route", {"prompt": "slow", "model": MODEL})
+    await eventually(lambda: _in_flight(ollama))
+
+    await request(nc, "coordinator.cancel", {"task_id": routed["task_id"]})
+
+    ended = await outcome(nc, routed["task_id"])
+    assert ended["code"] == "cancelled"
+    assert await eventually(lambda: _hung_up(ollama))  # the stand-in saw the client go
+
+
+async def test_a_bad_cancel_is_refused(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    for bad in ({"task_id": "a.b"}, {}, {"task_id": "t", "reply_to": "_INBOX.x"}, {"typo": 1}):
+        body, headers = await request(nc, "coordinator.cancel", bad)
+        assert headers["Nats-Service-Error-Code"] == "bad_request", body
+    body, headers = await request(nc, "coordinator.cancel", {"reply_to": "_INBOX.answered"})
+    assert headers["Nats-Service-Error-Code"] == "not_found", body
+
+
+async def _in_flight(fake: FakeOllama) -> bool:
+    return fake.stats()["in_flight"] > 0
+
+
+async def _hung_up(fake: FakeOllama) -> bool:
+    return fake.stats()["cancelled"] > 0

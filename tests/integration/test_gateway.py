@@ -1,0 +1,373 @@
+"""The HTTP gateway, driven by the official ``ollama`` and ``openai`` clients, through a real
+nats-server, the router, workers and the Ollama stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+import ollama
+import openai
+import pytest
+from nats.aio.client import Client
+
+from services.gateway.service import run as run_gateway
+from services.runtime.settings import GatewaySettings
+from tests.fakes.ollama import FakeOllama
+from tests.harness import ServiceRunner, eventually, request, workers_live
+from tests.servers import NatsServer, free_port, wait_for_port
+
+THINKER = "qwen3:0.6b"
+PLAIN = "qwen2.5:0.5b"
+
+
+@dataclass
+class Stack:
+    url: str
+    """The gateway's base URL."""
+    nats_url: str
+    ollama: FakeOllama
+
+
+async def start_gateway(runner: ServiceRunner, nats_url: str, **settings: Any) -> str:
+    port = free_port()
+    runner.start(run_gateway, GatewaySettings(nats_url=nats_url, gateway_port=port, **settings))
+    await asyncio.to_thread(wait_for_port, port)
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def stack(nats_server: NatsServer, nc: Client, runner: ServiceRunner) -> AsyncIterator[Stack]:
+    """Router, one worker on a stand-in serving a plain and a thinking model, the gateway."""
+    with FakeOllama(models=[PLAIN, THINKER]) as fake:
+        runner.router(nats_server.url)
+        runner.worker(nats_server.url, fake.url, "cpu-1")
+        url = await start_gateway(runner, nats_server.url)
+        await workers_live(nc, 1)
+        yield Stack(url=url, nats_url=nats_server.url, ollama=fake)
+        await runner.stop_all()
+
+
+@pytest.fixture
+async def oc(stack: Stack) -> AsyncIterator[ollama.AsyncClient]:
+    """The official Ollama client, pointed at the gateway."""
+    async with ollama.AsyncClient(host=stack.url) as client:
+        yield client
+
+
+@pytest.fixture
+async def ai(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official OpenAI client, pointed at the gateway's /v1."""
+    async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused") as client:
+        yield client
+
+
+async def stored_failure(nc: Client, task_id: str) -> dict[str, Any]:
+    async def check() -> dict[str, Any] | None:
+        try:
+            msg = await nc.jetstream().get_last_msg("EVENTS", f"events.task.{task_id}.failed")
+        except Exception:
+            return None
+        decoded: dict[str, Any] = msgspec.json.decode(msg.data or b"")
+        return decoded
+
+    found: dict[str, Any] = await eventually(check, timeout_s=10)
+    return found
+
+
+# -- the Ollama API ------------------------------------------------------------------------------
+
+
+async def test_ollama_generate_whole_and_streamed(oc: ollama.AsyncClient) -> None:
+    whole = await oc.generate(model=PLAIN, prompt="1+1は？")
+    assert whole.response == "2"
+    assert whole.done and whole.done_reason == "stop"
+    assert whole.eval_count and whole.total_duration
+
+    parts = [p async for p in await oc.generate(model=PLAIN, prompt="tell me", stream=True)]
+    assert len(parts) > 2
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert "".join(p.response or "" for p in parts) == f"Echo from {PLAIN}: tell me"
+
+
+async def test_ollama_chat_goes_to_the_backends_chat_api(
+    stack: Stack, oc: ollama.AsyncClient
+) -> None:
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "what is 2+3"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "and 6*7?"},
+    ]
+
+    reply = await oc.chat(model=PLAIN, messages=messages)
+    parts = [p async for p in await oc.chat(model=PLAIN, messages=messages, stream=True)]
+
+    assert reply.message.role == "assistant"
+    assert reply.message.content == "42"  # the stand-in answers the last user message
+    assert "".join(p.message.content or "" for p in parts) == "42"
+    assert stack.ollama.stats()["chat_calls"] == 2
+
+
+async def test_thinking_comes_back_in_ollamas_fields(oc: ollama.AsyncClient) -> None:
+    generated = await oc.generate(model=THINKER, prompt="1+1は？")
+    chatted = await oc.chat(model=THINKER, messages=[{"role": "user", "content": "2*3"}])
+    streamed = [p async for p in await oc.generate(model=THINKER, prompt="2+2", stream=True)]
+    quiet = await oc.generate(model=THINKER, prompt="3+3", think=False)
+
+    assert generated.response == "2" and generated.thinking and "1+1" in generated.thinking
+    assert chatted.message.content == "6" and chatted.message.thinking
+    assert "".join(p.thinking or "" for p in streamed).startswith("Let me think")
+    assert "".join(p.response or "" for p in streamed) == "4"
+    assert quiet.response == "6" and not quiet.thinking
+
+
+async def test_tags_version_and_ps(stack: Stack, oc: ollama.AsyncClient) -> None:
+    assert sorted(m.model or "" for m in (await oc.list()).models) == [PLAIN, THINKER]
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        assert (await http.get("/api/version")).json()["version"]
+        assert (await http.get("/")).text == "Ollama is running"
+
+    stack.ollama.delay_s = 2.0  # long enough for a heartbeat to report the worker busy
+    running = asyncio.create_task(oc.generate(model=THINKER, prompt="slow"))
+
+    async def busy() -> list[str] | None:
+        models = [m.model or "" for m in (await oc.ps()).models]
+        return models or None
+
+    assert await eventually(busy, timeout_s=5) == [THINKER]
+    await running
+
+
+# -- the OpenAI API ------------------------------------------------------------------------------
+
+
+async def test_openai_chat_completions_whole_and_streamed(ai: openai.AsyncOpenAI) -> None:
+    messages: list[Any] = [{"role": "user", "content": "what is 6*7"}]
+
+    whole = await ai.chat.completions.create(model=PLAIN, messages=messages)
+    stream = await ai.chat.completions.create(
+        model=PLAIN, messages=messages, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+
+    assert whole.choices[0].message.content == "42"
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.usage is not None and whole.usage.completion_tokens > 0
+    assert whole.id.startswith("chatcmpl-")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "42"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+
+
+async def test_openai_reasoning_and_legacy_completions(ai: openai.AsyncOpenAI) -> None:
+    chat = await ai.chat.completions.create(
+        model=THINKER, messages=[{"role": "user", "content": "1+1"}]
+    )
+    stream = await ai.chat.completions.create(
+        model=THINKER, messages=[{"role": "user", "content": "2+2"}], stream=True
+    )
+    deltas = [c.choices[0].delta async for c in stream if c.choices]
+    completion = await ai.completions.create(model=PLAIN, prompt="hello", max_tokens=50)
+    streamed = [
+        c.choices[0].text
+        async for c in await ai.completions.create(model=PLAIN, prompt="3*3", stream=True)
+    ]
+    models = [m.id async for m in ai.models.list()]
+
+    # Ollama's own /v1 names the thinking `reasoning`.
+    assert chat.choices[0].message.content == "2"
+    assert (chat.choices[0].message.model_extra or {})["reasoning"].startswith("Let me think")
+    assert "".join((d.model_extra or {}).get("reasoning", "") for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == "4"
+    assert completion.choices[0].text == f"Echo from {PLAIN}: hello"
+    assert "".join(streamed) == "9"
+    assert sorted(models) == [PLAIN, THINKER]
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+async def test_an_unknown_model_is_404_in_each_apis_shape(
+    oc: ollama.AsyncClient, ai: openai.AsyncOpenAI
+) -> None:
+    with pytest.raises(ollama.ResponseError) as ollama_error:
+        await oc.generate(model="nope:1b", prompt="hi")
+    with pytest.raises(openai.NotFoundError) as openai_error:
+        await ai.chat.completions.create(
+            model="nope:1b", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+
+    assert ollama_error.value.status_code == 404
+    assert "nope:1b" in ollama_error.value.error
+    body = openai_error.value.body
+    assert isinstance(body, dict) and body["code"] == "no_worker"
+    assert "nope:1b" in body["message"]
+
+
+async def test_a_bad_body_is_400(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        not_json = await http.post("/api/generate", content=b"{oops")
+        no_model = await http.post("/api/chat", json={"messages": []})
+        tools = await http.post(
+            "/v1/chat/completions",
+            json={"model": PLAIN, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+        )
+        route = await http.post("/route", json={"prompt": "x", "model": PLAIN, "typo": 1})
+
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]
+    assert no_model.status_code == 400
+    assert tools.status_code == 400 and tools.json()["error"]["code"] == "unsupported"
+    assert route.status_code == 400 and route.json()["error"]["code"] == "bad_request"
+
+
+async def test_no_live_worker_is_503_with_retry_after(
+    nats_server: NatsServer, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    url = await start_gateway(runner, nats_server.url, gateway_retry_after_s=7)
+    await asyncio.sleep(0.3)  # the router's endpoints
+    async with httpx.AsyncClient(base_url=url) as http:
+        reply = await http.post("/api/generate", json={"model": PLAIN, "prompt": "hi"})
+        tags = await http.get("/api/tags")
+
+    assert reply.status_code == 503
+    assert reply.headers["Retry-After"] == "7"
+    assert "no worker is registered" in reply.json()["error"]
+    assert tags.json() == {"models": []}
+
+
+async def test_no_router_is_503(nats_server: NatsServer, runner: ServiceRunner) -> None:
+    url = await start_gateway(runner, nats_server.url)
+    async with httpx.AsyncClient(base_url=url) as http:
+        reply = await http.post("/v1/completions", json={"model": PLAIN, "prompt": "hi"})
+    assert reply.status_code == 503
+    assert reply.json()["error"]["code"] == "no_responder"
+
+
+async def test_a_task_that_times_out_is_504(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    with FakeOllama(models=[PLAIN]) as fake:
+        runner.router(nats_server.url)
+        runner.worker(nats_server.url, fake.url, "cpu-1")
+        url = await start_gateway(runner, nats_server.url, gateway_task_timeout_s=0.5)
+        await workers_live(nc, 1)
+        fake.delay_s = 3.0
+
+        async with ollama.AsyncClient(host=url) as client:
+            with pytest.raises(ollama.ResponseError) as error:
+                await client.generate(model=PLAIN, prompt="slow")
+        await runner.stop_all()
+
+    assert error.value.status_code == 504
+    assert "backend_timeout" not in error.value.error  # the code is the status; text the reason
+    assert "did not finish" in error.value.error
+
+
+# -- a client that goes away -----------------------------------------------------------------------
+
+
+async def test_a_client_that_disconnects_mid_stream_cancels_its_task(
+    stack: Stack, nc: Client
+) -> None:
+    stack.ollama.chunk_delay_s = 0.2
+    long_prompt = "please write about " + " ".join(f"topic{n}" for n in range(40))
+    body = msgspec.json.encode({"model": PLAIN, "prompt": long_prompt})
+    host, port = stack.url.removeprefix("http://").split(":")
+    # A plain socket, so hanging up is exactly that: no client library tidying up.
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /api/generate HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    head = (await reader.readuntil(b"\r\n\r\n")).decode()
+    await reader.readuntil(b"}\n")  # the first piece
+    writer.close()
+    await writer.wait_closed()
+    task_id = next(
+        line.split(":", 1)[1].strip()
+        for line in head.split("\r\n")
+        if line.lower().startswith("x-coordinator-task:")
+    )
+
+    failed = await stored_failure(nc, task_id)
+    assert failed["code"] == "cancelled"
+    assert "disconnected" in failed["reason"]
+    assert await eventually(lambda: _cancelled(stack.ollama))
+    # The worker is free again at once.
+    stack.ollama.chunk_delay_s = 0.0
+    async with ollama.AsyncClient(host=stack.url) as client:
+        assert (await client.generate(model=PLAIN, prompt="1+2")).response == "3"
+
+
+async def _cancelled(fake: FakeOllama) -> bool:
+    return fake.stats()["cancelled"] >= 1
+
+
+async def test_a_client_that_gives_up_waiting_cancels_its_task(stack: Stack, nc: Client) -> None:
+    stack.ollama.delay_s = 5.0
+    subscription = await nc.subscribe("events.task.*.failed")
+    async with httpx.AsyncClient(base_url=stack.url, timeout=0.5) as http:
+        with pytest.raises(httpx.TimeoutException):
+            await http.post(
+                "/api/chat",
+                json={
+                    "model": PLAIN,
+                    "stream": False,
+                    "messages": [{"role": "user", "content": "slow"}],
+                },
+            )
+
+    event = msgspec.json.decode((await subscription.next_msg(timeout=4)).data)
+    assert event["code"] == "cancelled"  # long before the stand-in's 5 s were up
+
+
+# -- the task API ----------------------------------------------------------------------------------
+
+
+async def test_the_task_api_routes_and_shows_tasks(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner, pg_dsn: str
+) -> None:
+    with FakeOllama(models=[PLAIN]) as fake:
+        runner.router(nats_server.url)
+        runner.worker(nats_server.url, fake.url, "cpu-1")
+        runner.stats(nats_server.url, pg_dsn)
+        url = await start_gateway(runner, nats_server.url)
+        await workers_live(nc, 1)
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            waited = await http.post("/route", json={"prompt": "2+5", "model": PLAIN, "wait": True})
+            queued = await http.post("/route", json={"prompt": "hello", "model": PLAIN})
+            lines = []
+            async with http.stream(
+                "POST", "/route", json={"prompt": "1+1", "model": PLAIN, "stream": True}
+            ) as streamed:
+                lines = [msgspec.json.decode(line) async for line in streamed.aiter_lines()]
+            task_id = queued.json()["task_id"]
+
+            async def done() -> dict[str, Any] | None:
+                reply = await http.get(f"/task/{task_id}")
+                body: dict[str, Any] = reply.json()
+                return body if reply.status_code == 200 and body["status"] == "done" else None
+
+            view = await eventually(done, timeout_s=15)
+            missing = await http.get("/task/nope")
+        await runner.stop_all()
+
+    assert waited.status_code == 200 and waited.json()["response"] == "7"
+    assert queued.json()["status"] == "queued"
+    assert lines[0]["seq"] == 0  # the task id, before any output
+    assert lines[-1]["status"] == "done" and lines[-1]["response"] == "2"
+    assert view["response"] == f"Echo from {PLAIN}: hello"
+    assert missing.status_code == 404
+
+
+async def test_a_cancel_for_an_ended_task_is_refused(stack: Stack, nc: Client) -> None:
+    body, headers = await request(nc, "coordinator.cancel", {"task_id": "ended-long-ago"})
+    assert headers["Nats-Service-Error-Code"] == "not_found", body

@@ -1,0 +1,273 @@
+"""Least-privilege NATS: nats-server runs the committed deploy/nats/nats-server.conf, and each
+service runs under its own user. The services do their work; a worker's user cannot touch
+another worker's queue nor read the statistics' events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.js.api import AckPolicy, ConsumerConfig
+from structlog.testing import capture_logs
+
+from schemas.events import ALIAS_EVENTS, AliasSet, ExclusionAdded
+from schemas.subjects import EVENTS_STREAM, ROUTE, TASK, TASKS_STREAM
+from services.cli.deploy import (
+    DEPLOY_DIR,
+    EXAMPLE_WEB_WORKERS,
+    EXAMPLE_WORKERS,
+    NATS_ROLES,
+    nats_user,
+    password_variable,
+    setup_streams,
+)
+from services.reaper.service import run as run_reaper
+from services.runtime.aliases import AliasFollower
+from services.runtime.bus import ensure_streams, publish_event
+from services.runtime.errors import Unavailable
+from services.runtime.settings import NatsAuth, ReaperSettings, StatsSettings
+from services.stats.service import run as run_stats
+from tests.fakes.ollama import FakeOllama
+from tests.harness import ServiceRunner, eventually, request
+from tests.servers import NatsServer
+
+USERS = [
+    "admin",
+    *NATS_ROLES,
+    *(nats_user("worker", w) for w in EXAMPLE_WORKERS),
+    *(nats_user("web-search", w) for w in EXAMPLE_WEB_WORKERS),
+]
+WORKER = EXAMPLE_WORKERS[0]
+
+
+def password(user: str) -> str:
+    return f"pw-{user}"
+
+
+@pytest.fixture
+def secured() -> Iterator[NatsServer]:
+    """nats-server with the committed configuration (its store moved to a temporary folder)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="coord-nats-") as tmp:
+        conf = (DEPLOY_DIR / "nats" / "nats-server.conf").read_text()
+        assert "  store_dir: /var/lib/nats\n" in conf
+        conf = conf.replace("  store_dir: /var/lib/nats\n", f"  store_dir: {tmp}/js\n")
+        conf = conf.replace("http: 127.0.0.1:8222", "http: 127.0.0.1:0")
+        path = Path(tmp) / "nats-server.conf"
+        path.write_text(conf)
+        env = {password_variable(user): password(user) for user in USERS}
+        server = NatsServer(f"{tmp}/js", config=str(path), env=env).start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+class Violations:
+    """The server's permission errors a connection received."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def record(self, exc: Exception) -> None:
+        self.seen.append(str(exc).lower())
+
+    def about(self, subject: str) -> bool:
+        return any("permissions violation" in e and subject.lower() in e for e in self.seen)
+
+
+async def connect_as(server: NatsServer, user: str, errors: Violations | None = None) -> Client:
+    options: dict[str, Any] = {"user": user, "password": password(user)}
+    if errors is not None:
+        options["error_cb"] = errors.record
+    return await nats.connect(server.url, **options)
+
+
+@pytest.fixture
+async def admin(secured: NatsServer) -> AsyncIterator[Client]:
+    await setup_streams(
+        secured.url,
+        worker_ttl_s=3.0,
+        events_max_age_s=0.0,
+        auth=NatsAuth(user="admin", password=password("admin")),
+    )
+    client = await connect_as(secured, "admin")
+    yield client
+    await client.close()
+
+
+async def test_each_service_does_its_work_under_its_own_user(
+    secured: NatsServer, admin: Client, ollama: FakeOllama, runner: ServiceRunner, pg_dsn: str
+) -> None:
+    url = secured.url
+    with capture_logs() as logs:
+        runner.start(
+            run_stats,
+            StatsSettings(
+                nats_url=url, pg_dsn=pg_dsn, nats_user="stats", nats_password=password("stats")
+            ),
+        )
+        runner.router(url, nats_user="router", nats_password=password("router"))
+        runner.start(
+            run_reaper,
+            ReaperSettings(nats_url=url, nats_user="reaper", nats_password=password("reaper")),
+        )
+        runner.worker(
+            url,
+            ollama.url,
+            WORKER,
+            nats_user=f"worker-{WORKER}",
+            nats_password=password(f"worker-{WORKER}"),
+        )
+        client = await connect_as(secured, "client")
+        try:
+
+            async def routed() -> dict[str, Any] | None:
+                try:
+                    body, _ = await request(
+                        client,
+                        ROUTE,
+                        {"prompt": "1+1?", "model": "qwen2.5:0.5b", "wait": True},
+                        timeout_s=5.0,
+                    )
+                except Exception:
+                    return None
+                return body if body.get("status") == "done" else None
+
+            reply = await eventually(routed, timeout_s=20.0, interval_s=0.3)
+            assert reply["worker"] == WORKER
+
+            async def projected() -> dict[str, Any] | None:
+                try:
+                    body, _ = await request(client, TASK, {"task_id": reply["task_id"]}, 2.0)
+                except Exception:
+                    return None  # the stats service is still starting
+                return body if body.get("status") == "done" else None
+
+            await eventually(projected, timeout_s=10.0)
+        finally:
+            await client.close()
+        await runner.stop_all()
+    denied = [e for e in logs if "permissions violation" in str(e.get("error", "")).lower()]
+    assert denied == []
+
+
+async def test_a_worker_cannot_use_another_workers_queue_nor_read_the_stats_events(
+    secured: NatsServer, admin: Client
+) -> None:
+    ajs = admin.jetstream()
+    await publish_event(
+        ajs,
+        ExclusionAdded(
+            at=time.time(), exclusion_id="x-1", worker="cpu2", since=0.0, reason="polluted"
+        ),
+    )
+    await publish_event(ajs, AliasSet(at=time.time(), alias="long:name", canonical="short"))
+    await ajs.add_consumer(
+        TASKS_STREAM,
+        ConsumerConfig(
+            name="worker-cpu2",
+            durable_name="worker-cpu2",
+            filter_subject="tasks.*.cpu2",
+            ack_policy=AckPolicy.EXPLICIT,
+            max_ack_pending=1,
+        ),
+    )
+    await ajs.publish("tasks.cpu.cpu2", b"{}")
+
+    errors = Violations()
+    nc = await connect_as(secured, f"worker-{WORKER}", errors)
+    js = nc.jetstream(timeout=1.0)
+    try:
+        # What it may: its own queue, its own events, the alias map.
+        own = ConsumerConfig(
+            name=f"worker-{WORKER}",
+            durable_name=f"worker-{WORKER}",
+            filter_subject=f"tasks.*.{WORKER}",
+            ack_policy=AckPolicy.EXPLICIT,
+            max_ack_pending=1,
+        )
+        await js.add_consumer(TASKS_STREAM, own)
+        mine = await js.pull_subscribe_bind(durable=f"worker-{WORKER}", stream=TASKS_STREAM)
+        await ajs.publish(f"tasks.cpu.{WORKER}", b"{}")
+        [msg] = await mine.fetch(1, timeout=2.0)
+        await msg.ack()
+        await js.publish("events.task.t1.started", b"{}")
+        aliases = AliasFollower(js)
+        await aliases.start(timeout_s=5.0)
+        assert aliases.canonical("long:name") == "short"
+        await aliases.stop()
+        assert errors.seen == []
+
+        # What it may not; each is refused by the server (the request gets no answer).
+        others = await js.pull_subscribe_bind(durable="worker-cpu2", stream=TASKS_STREAM)
+        attempts = [
+            js.publish("tasks.cpu.cpu2", b"{}"),
+            js.add_consumer(
+                TASKS_STREAM, ConsumerConfig(name=f"worker-{WORKER}", filter_subject="tasks.*.cpu2")
+            ),
+            others.fetch(1, timeout=1.0),
+            js.subscribe("events.stats.>", stream=EVENTS_STREAM, ordered_consumer=True),
+            js.add_consumer(
+                EVENTS_STREAM,
+                ConsumerConfig(name="peek", filter_subject="events.stats.exclusion.>"),
+            ),
+            js.add_consumer(
+                EVENTS_STREAM, ConsumerConfig(name="stats", filter_subject=ALIAS_EVENTS)
+            ),
+            js.get_last_msg(EVENTS_STREAM, "events.stats.exclusion.added"),
+            js.get_last_msg(EVENTS_STREAM, "events.stats.exclusion.added", direct=True),
+            js.get_last_msg(EVENTS_STREAM, "events.task.t1.submitted", direct=True),
+        ]
+        results = await asyncio.gather(*attempts, return_exceptions=True)
+        assert all(isinstance(r, Exception) for r in results), results
+        await nc.subscribe("events.stats.>")
+        await nc.flush()
+        await asyncio.sleep(0.3)
+    finally:
+        await nc.close()
+
+    for subject in (
+        "tasks.cpu.cpu2",
+        "$JS.API.CONSUMER.CREATE.TASKS.worker-cpu1.tasks.*.cpu2",
+        "$JS.API.CONSUMER.MSG.NEXT.TASKS.worker-cpu2",
+        "$JS.API.CONSUMER.CREATE.EVENTS",
+        "$JS.API.CONSUMER.CREATE.EVENTS.peek.events.stats.exclusion.>",
+        "$JS.API.CONSUMER.CREATE.EVENTS.stats.events.stats.alias.>",
+        "$JS.API.STREAM.MSG.GET.EVENTS",
+        "$JS.API.DIRECT.GET.EVENTS.events.stats.exclusion.added",
+        "$JS.API.DIRECT.GET.EVENTS.events.task.t1.submitted",
+        'subscription to "events.stats.>"',
+    ):
+        assert errors.about(subject), (subject, errors.seen)
+    # The other worker's task is still there, untouched.
+    info = await ajs.consumer_info(TASKS_STREAM, "worker-cpu2")
+    assert info.num_pending == 1
+
+
+async def test_services_look_streams_up_and_only_setup_makes_or_changes_them(
+    secured: NatsServer,
+) -> None:
+    worker = await connect_as(secured, f"worker-{WORKER}")
+    try:
+        with pytest.raises(Unavailable, match="run `coordinator setup` with the admin user"):
+            await ensure_streams(worker.jetstream(timeout=1.0))
+        admin_auth = NatsAuth(user="admin", password=password("admin"))
+        await setup_streams(
+            secured.url, worker_ttl_s=3.0, events_max_age_s=86400.0, auth=admin_auth
+        )
+        with capture_logs() as logs:
+            await ensure_streams(worker.jetstream(timeout=1.0), worker_ttl_s=3.0)
+        assert logs == []  # nothing to change, nothing tried
+        info = await worker.jetstream().stream_info(EVENTS_STREAM)
+        assert info.config.max_age == 86400.0  # a service leaves the retention to setup
+        assert info.config.allow_direct
+    finally:
+        await worker.close()

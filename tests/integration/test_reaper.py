@@ -1,0 +1,527 @@
+"""The reaper against a real nats-server: each detector, each action, and the fencing."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from structlog.testing import capture_logs
+
+from schemas.events import (
+    Durations,
+    TaskCompleted,
+    TaskFailed,
+    TaskRouted,
+    TaskStarted,
+    TaskSubmitted,
+    WorkerDuplicate,
+    kind_of,
+)
+from schemas.tasks import TaskMessage
+from services.runtime.bus import ensure_streams, publish_event
+from services.runtime.settings import WorkerSettings
+from services.worker.backends import Generation
+from services.worker.service import Worker
+from tests.fakes.ollama import FakeOllama
+from tests.harness import (
+    COORDINATOR,
+    FAST_WORKER,
+    Processes,
+    ServiceRunner,
+    clean_env,
+    eventually,
+    request,
+    workers_live,
+)
+from tests.reaper_harness import MODEL, Registration, TaskEvents, queued_copies
+from tests.servers import NatsServer
+
+SPOF = "no alternative worker can serve model '{model}' (reason={reason}); single point of failure"
+
+
+async def route(nc: Client, **fields: Any) -> dict[str, Any]:
+    body, _ = await request(nc, "coordinator.route", {"prompt": "1+1", "model": MODEL, **fields})
+    return body
+
+
+def worker_env(nats_server: NatsServer, ollama: FakeOllama, worker_id: str) -> dict[str, str]:
+    return clean_env(
+        NATS_URL=nats_server.url,
+        OLLAMA_HOST=ollama.url,
+        WORKER_ID=worker_id,
+        WORKER_HOST=f"host-{worker_id}",
+        HEARTBEAT_INTERVAL_S="0.5",
+        WORKER_TTL_S="3",
+        WORKER_MODELS=MODEL,  # one sanity run at start
+    )
+
+
+# -- dead worker --------------------------------------------------------------------------------
+
+
+async def test_a_killed_workers_running_and_queued_tasks_run_elsewhere_and_never_on_its_return(
+    nats_server: NatsServer,
+    nc: Client,
+    ollama: FakeOllama,
+    runner: ServiceRunner,
+    processes: Processes,
+) -> None:
+    runner.router(nats_server.url)
+    # Its queued tasks would be ghosts too if this took longer than the dead worker's TTL.
+    runner.reaper(nats_server.url, ghost_after_s=30.0)
+    with FakeOllama() as slow:
+        env = worker_env(nats_server, slow, "cpu-a")
+        doomed = processes.start([COORDINATOR, "worker"], env)
+        await workers_live(nc, 1)
+        slow.delay_s = 30.0
+        async with TaskEvents(nc) as events:
+            ids = [(await route(nc, prompt=f"{i}+1"))["task_id"] for i in range(3)]
+            await events.wait_for(lambda e: isinstance(e, TaskStarted) and e.task_id == ids[0])
+            runner.worker(nats_server.url, ollama.url, "cpu-b")
+            await workers_live(nc, 2)
+
+            doomed.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(doomed.wait)
+            for task_id in ids:
+                done = await events.first("completed", task_id)
+                assert isinstance(done, TaskCompleted)
+                assert (done.worker, done.attempt) == ("cpu-b", 2)
+                moved = events.of(task_id, "routed")[-1]
+                assert isinstance(moved, TaskRouted)
+                assert moved.attempt == 2
+                assert "dead_worker" in moved.reason
+            # The old queue's copies (the running one included) are gone ...
+            assert await queued_copies(nc, "tasks.cpu.cpu-a") == []
+
+            # ... so the worker, back again, runs none of them.
+            slow.delay_s = 0.0
+            calls = slow.stats()["generate_calls"]
+            processes.start([COORDINATOR, "worker"], env)
+
+            async def back() -> bool:
+                return slow.stats()["generate_calls"] > calls  # its sanity run
+
+            await eventually(back, timeout_s=15)
+            await asyncio.sleep(1.5)
+            assert slow.stats()["generate_calls"] == calls + 1
+            assert all(len(events.of(t, "completed")) == 1 for t in ids)
+
+
+async def test_a_dead_workers_task_fails_naming_the_model_when_no_other_worker_serves_it(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.reaper(nats_server.url, ghost_after_s=30.0)  # not pulling is not what kills it here
+    async with Registration(nc, "cpu-a") as lone, TaskEvents(nc) as events:
+        await workers_live(nc, 1)
+        asked = asyncio.create_task(route(nc, wait=True))
+        routed = await events.wait_for(lambda e: isinstance(e, TaskRouted))
+        lone.silence()  # it dies before taking the task
+
+        reply = await asyncio.wait_for(asked, timeout=15)
+
+    assert reply["status"] == "failed"
+    assert reply["error"] == "no_alternative_worker: " + SPOF.format(
+        model=MODEL, reason="dead_worker"
+    )
+    failed = events.of(routed.task_id, "failed")
+    assert [(e.attempt, e.worker) for e in failed if isinstance(e, TaskFailed)] == [(1, "cpu-a")]
+    assert await queued_copies(nc, "tasks.cpu.cpu-a") == []
+
+
+# -- stuck task ---------------------------------------------------------------------------------
+
+
+class WedgedBackend:
+    """A model server whose generation never ends, whatever the timeout (a wedged GPU driver)."""
+
+    address = "wedged://test"
+
+    async def list_models(self) -> list[str]:
+        return [MODEL]
+
+    async def generate(self, model: str, prompt: str, **_: Any) -> Generation:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def run_wedged(settings: WorkerSettings, stop: asyncio.Event) -> None:
+    from services.runtime.bus import connect
+
+    nc = await connect(settings.nats_url, "wedged")
+    try:
+        await Worker(nc, settings, WedgedBackend()).run(stop)
+    finally:
+        await nc.drain()
+
+
+async def test_a_task_running_past_its_timeout_is_moved_to_another_worker(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.reaper(nats_server.url)
+    runner.start(
+        run_wedged,
+        WorkerSettings(
+            nats_url=nats_server.url,
+            worker_id="cpu-a",
+            sanity_check=False,
+            heartbeat_interval_s=FAST_WORKER["heartbeat_interval_s"],
+            worker_ttl_s=FAST_WORKER["worker_ttl_s"],
+            stop_grace_s=0.2,
+        ),
+    )
+    runner.worker(nats_server.url, ollama.url, "cpu-b")
+    await workers_live(nc, 2)
+    async with TaskEvents(nc) as events:
+        reply = await route(nc, wait=True, timeout_s=1.0)
+
+        assert (reply["status"], reply["worker"], reply["response"]) == ("done", "cpu-b", "2")
+        started = events.of(reply["task_id"], "started")
+        assert [(e.attempt, e.worker) for e in started if isinstance(e, TaskStarted)] == [
+            (1, "cpu-a"),
+            (2, "cpu-b"),
+        ]
+        moved = events.of(reply["task_id"], "routed")[-1]
+        assert isinstance(moved, TaskRouted)
+        assert "stuck_task" in moved.reason
+        assert "past its timeout of 1 s" in moved.reason
+
+
+# -- ghost queue --------------------------------------------------------------------------------
+
+
+async def test_a_task_queued_for_a_worker_that_does_not_pull_is_moved_or_failed_as_a_ghost(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.reaper(nats_server.url)
+    async with Registration(nc, "aaa-ghost"), TaskEvents(nc) as events:
+        await workers_live(nc, 1)
+        # Registered, heartbeating, pulling nothing, and the only one with the model.
+        alone = await route(nc, wait=True)
+        assert alone["status"] == "failed"
+        assert alone["error"] == "no_alternative_worker: " + SPOF.format(
+            model=MODEL, reason="ghost_pending"
+        )
+        assert await queued_copies(nc, "tasks.cpu.aaa-ghost") == []
+
+        runner.worker(nats_server.url, ollama.url, "cpu-b")
+        await workers_live(nc, 2)
+        moved = await route(nc, wait=True)  # to aaa-ghost first (same depth, first by name)
+
+        assert (moved["status"], moved["worker"]) == ("done", "cpu-b")
+        first, second = events.of(moved["task_id"], "routed")
+        assert isinstance(first, TaskRouted)
+        assert isinstance(second, TaskRouted)
+        assert (first.worker, second.worker, second.attempt) == ("aaa-ghost", "cpu-b", 2)
+        assert "ghost_pending" in second.reason
+        assert "consumer worker-aaa-ghost does not exist" in second.reason
+
+
+async def test_a_web_search_task_is_never_re_dispatched_it_fails_with_the_reason(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.reaper(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-b")  # could run a prompt, not a search
+    async with Registration(nc, "web-1", supports=("web_search",)), TaskEvents(nc) as events:
+        await workers_live(nc, 2)
+        reply = await route(nc, wait=True, task_type="web_search", model="default")
+
+        assert reply["status"] == "failed"
+        assert reply["error"].startswith(
+            "ghost_pending: web_search tasks are not re-dispatched (reason=ghost_pending): "
+            "queued on tasks.web"
+        )
+        routed = events.of(reply["task_id"], "routed")
+        assert [e.attempt for e in routed if isinstance(e, TaskRouted)] == [1]
+        assert events.of(reply["task_id"], "started") == []
+
+
+# -- duplicate consumer -------------------------------------------------------------------------
+
+
+async def test_two_processes_pulling_one_workers_queue_are_reported_and_shown(
+    nats_server: NatsServer,
+    nc: Client,
+    ollama: FakeOllama,
+    runner: ServiceRunner,
+    processes: Processes,
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    duplicates = await nc.subscribe("events.worker.*.duplicate")
+    with capture_logs() as logs:
+        runner.reaper(nats_server.url)
+        puller = processes.start(
+            [sys.executable, "-m", "tests.integration.second_puller"],
+            worker_env(nats_server, ollama, "cpu-1"),
+        )
+        assert puller.stdout is not None
+        assert (await asyncio.to_thread(puller.stdout.readline)).strip() == "bound"
+
+        event = msgspec.json.decode(
+            (await duplicates.next_msg(timeout=10)).data, type=WorkerDuplicate
+        )
+
+    assert event.worker_id == "cpu-1"
+    assert event.num_waiting == 2
+    assert "2 pulls wait on worker-cpu-1" in event.reason
+    errors = [e for e in logs if e["log_level"] == "error" and e["event"] == "duplicate worker"]
+    assert errors and errors[0]["worker_id"] == "cpu-1"
+
+    body, _ = await request(nc, "coordinator.workers", {})
+    (shown,) = body["workers"]
+    assert shown["problems"] == [f"duplicate_consumer: {event.reason}"]
+
+
+async def test_two_instances_heartbeating_as_one_worker_id_are_reported(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    duplicates = await nc.subscribe("events.worker.*.duplicate")
+    runner.reaper(nats_server.url)
+    async with Registration(nc, "cpu-9") as one, Registration(nc, "cpu-9") as other:
+        event = msgspec.json.decode(
+            (await duplicates.next_msg(timeout=10)).data, type=WorkerDuplicate
+        )
+
+    assert event.worker_id == "cpu-9"
+    assert sorted(event.instances) == sorted([one.record.instance_id, other.record.instance_id])
+    assert event.hosts == ["host-cpu-9"]
+    status, _ = await request(nc, "coordinator.reaper.status", {})
+    assert status["duplicates"] == 1
+
+
+def _reaper_answers(nc: Client) -> Callable[[], Awaitable[bool]]:
+    async def ping() -> bool:
+        try:
+            await nc.request("$SRV.PING.coordinator-reaper", b"", timeout=1)
+        except Exception:
+            return False
+        return True
+
+    return ping
+
+
+# -- retryable failures -------------------------------------------------------------------------
+
+
+async def test_a_task_whose_backend_is_down_fails_fast_and_is_moved_on(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.reaper(nats_server.url)
+    with FakeOllama() as gone:
+        runner.worker(nats_server.url, gone.url, "gpu-a", worker_supports=["gpu_inference"])
+        runner.worker(nats_server.url, ollama.url, "cpu-b")
+        await workers_live(nc, 2)
+    # gpu-a's model server is down now; the router still prefers the gpu worker.
+    async with TaskEvents(nc) as events:
+        started = time.monotonic()
+        reply = await route(nc, wait=True)
+
+    assert (reply["status"], reply["worker"], reply["response"]) == ("done", "cpu-b", "2")
+    assert time.monotonic() - started < 5
+    failed = events.of(reply["task_id"], "failed")[0]
+    assert isinstance(failed, TaskFailed)
+    assert (failed.attempt, failed.worker, failed.code, failed.retryable) == (
+        1,
+        "gpu-a",
+        "backend_unavailable",
+        True,
+    )
+    moved = events.of(reply["task_id"], "routed")[-1]
+    assert isinstance(moved, TaskRouted)
+    assert (moved.attempt, moved.worker) == (2, "cpu-b")
+    assert "backend_unavailable" in moved.reason
+
+
+async def test_a_retryable_failure_no_other_worker_can_take_fails_as_a_single_point(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.reaper(nats_server.url)
+    with FakeOllama() as gone:
+        runner.worker(nats_server.url, gone.url, "cpu-a")
+        await workers_live(nc, 1)
+    async with TaskEvents(nc) as events:
+        reply = await route(nc, wait=True)
+
+    assert reply["status"] == "failed"
+    assert reply["error"] == "no_alternative_worker: " + SPOF.format(
+        model=MODEL, reason="backend_unavailable"
+    )
+    failures = [e for e in events.of(reply["task_id"], "failed") if isinstance(e, TaskFailed)]
+    assert [(e.attempt, e.code) for e in failures] == [
+        (1, "backend_unavailable"),
+        (2, "no_alternative_worker"),
+    ]
+
+
+# -- fencing ------------------------------------------------------------------------------------
+
+
+async def test_a_worker_drops_a_copy_of_an_attempt_that_was_moved_on_without_running_it(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    js = nc.jetstream()
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-a")
+    await workers_live(nc, 1)
+    calls = ollama.stats()["generate_calls"]
+    now = time.time()
+    for attempt, worker in ((1, "cpu-a"), (2, "cpu-b")):
+        await publish_event(
+            js,
+            TaskRouted(at=now, task_id="t-1", attempt=attempt, worker=worker, queue="q"),
+        )
+    async with TaskEvents(nc) as events:
+        for attempt in (1, 2):
+            message = TaskMessage(
+                task_id="t-1",
+                attempt=attempt,
+                model=MODEL,
+                prompt="1+1",
+                timeout_s=10,
+                submitted_at=now,
+            )
+            await js.publish("tasks.cpu.cpu-a", msgspec.json.encode(message))
+        done = await events.first("completed")
+
+    assert isinstance(done, TaskCompleted)
+    assert done.attempt == 2  # the stale copy came first and was dropped unrun
+    assert [kind_of(e) for e in events.events] == ["started", "completed"]
+    assert ollama.stats()["generate_calls"] == calls + 1
+
+    async def acknowledged() -> bool:
+        return await queued_copies(nc, "tasks.cpu.cpu-a") == []
+
+    await eventually(acknowledged, timeout_s=5)
+
+
+async def test_the_route_reply_is_the_current_attempts_outcome_not_a_late_older_one(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    js = nc.jetstream()
+    runner.router(nats_server.url)
+    runner.reaper(nats_server.url, ghost_after_s=60.0)  # it runs, so failures may move on
+    async with Registration(nc, "cpu-a"), TaskEvents(nc) as events:
+        await workers_live(nc, 1)
+        await eventually(_reaper_answers(nc))
+        asked = asyncio.create_task(route(nc, wait=True))
+        routed = await events.wait_for(lambda e: isinstance(e, TaskRouted))
+        task_id = routed.task_id
+
+        def outcome(attempt: int, response: str) -> TaskCompleted:
+            return TaskCompleted(
+                at=time.time(),
+                task_id=task_id,
+                attempt=attempt,
+                worker=f"w{attempt}",
+                model=MODEL,
+                response=response,
+                durations=Durations(total_ms=1.0),
+            )
+
+        # A retryable failure is not the answer while the task may be moved on ...
+        await publish_event(
+            js,
+            TaskFailed(
+                at=time.time(),
+                task_id=task_id,
+                attempt=1,
+                worker="cpu-a",
+                code="backend_unavailable",
+                reason="down",
+                retryable=True,
+            ),
+        )
+        await asyncio.sleep(0.5)
+        assert not asked.done()
+        # ... it was, as attempt 2; attempt 1's worker then answers late: stale.
+        await publish_event(
+            js, TaskRouted(at=time.time(), task_id=task_id, attempt=2, worker="w2", queue="q")
+        )
+        await publish_event(js, outcome(1, "stale"))
+        await asyncio.sleep(0.2)
+        assert not asked.done()
+        await publish_event(js, outcome(2, "current"))
+
+        reply = await asyncio.wait_for(asked, timeout=5)
+
+    assert (reply["status"], reply["response"], reply["worker"]) == ("done", "current", "w2")
+
+
+async def test_the_stats_read_model_keeps_the_current_attempts_answer_over_a_late_older_one(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner, pg_dsn: str
+) -> None:
+    js = nc.jetstream()
+    await ensure_streams(js)
+    runner.stats(nats_server.url, pg_dsn)
+    now = time.time()
+    events: list[Any] = [
+        TaskSubmitted(at=now, task_id="t-1", model=MODEL, prompt="1+1", timeout_s=60),
+        TaskRouted(at=now, task_id="t-1", attempt=1, worker="cpu-a", queue="tasks.cpu.cpu-a"),
+        TaskStarted(at=now, task_id="t-1", attempt=1, worker="cpu-a", host="a"),
+        TaskRouted(at=now + 1, task_id="t-1", attempt=2, worker="cpu-b", queue="tasks.cpu.cpu-b"),
+        TaskStarted(at=now + 1, task_id="t-1", attempt=2, worker="cpu-b", host="b"),
+    ]
+    for attempt, worker, response, at in ((2, "cpu-b", "current", 2), (1, "cpu-a", "stale", 3)):
+        events.append(
+            TaskCompleted(
+                at=now + at,
+                task_id="t-1",
+                attempt=attempt,
+                worker=worker,
+                model=MODEL,
+                response=response,
+                durations=Durations(total_ms=5.0),
+            )
+        )
+    for event in events:
+        await publish_event(js, event)
+
+    async def projected() -> dict[str, Any] | None:
+        try:
+            body, _ = await request(nc, "coordinator.task", {"task_id": "t-1"}, timeout_s=2)
+        except Exception:
+            return None
+        return body if body.get("status") == "done" else None
+
+    view = await eventually(projected, timeout_s=15)
+    await asyncio.sleep(0.5)  # the stale completion is projected by now too
+    body, _ = await request(nc, "coordinator.task", {"task_id": "t-1"})
+    assert view["response"] == "current"
+    assert (body["response"], body["worker"], body["attempts"]) == ("current", "cpu-b", 2)
+
+
+async def test_the_stats_projection_takes_the_reapers_and_sleepers_worker_events_in_its_stride(
+    pg_dsn: str,
+) -> None:
+    from schemas.events import AnyEvent, WakeRequested, WorkerAsleep
+    from services.stats.store import Store
+
+    events: list[AnyEvent] = [
+        WorkerDuplicate(at=1.0, worker_id="cpu-1", reason="two pulls", num_waiting=2),
+        WorkerAsleep(at=2.0, worker_id="pc", instance_id="i", models=[MODEL], idle_s=600),
+        WakeRequested(at=3.0, worker_id="pc", mac="aa:bb:cc:dd:ee:ff", task_id="t", model=MODEL),
+    ]
+    store = await Store.connect(pg_dsn)
+    try:
+        await store.apply_schema()
+        for seq, event in enumerate(events, start=1):
+            assert await store.apply(seq, event)  # recorded as seen, nothing else: no error
+        assert await store.last_seq() == 3
+    finally:
+        await store.close()

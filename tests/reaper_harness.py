@@ -1,0 +1,154 @@
+"""Helpers for the reaper's tests and benchmarks: watching task events, fake registrations."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from types import TracebackType
+from typing import Self
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.errors import NotFoundError
+
+from schemas.events import TaskEvent, kind_of, task_event_decoder
+from schemas.subjects import TASKS_STREAM
+from schemas.tasks import TaskMessage
+from schemas.workers import Capability, WorkerRecord
+from services.runtime.bus import ensure_streams
+
+MODEL = "qwen2.5:0.5b"
+
+
+class TaskEvents:
+    """Every task event published while it listens, in the order they arrive."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.events: list[TaskEvent] = []
+        self._changed = asyncio.Event()
+        self._sub: Subscription | None = None
+
+    async def __aenter__(self) -> Self:
+        self._sub = await self.nc.subscribe("events.task.>", cb=self._on)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on(self, msg: Msg) -> None:
+        self.events.append(task_event_decoder.decode(msg.data))
+        self._changed.set()
+
+    def of(self, task_id: str, kind: str | None = None) -> list[TaskEvent]:
+        return [
+            e for e in self.events if e.task_id == task_id and (kind is None or kind_of(e) == kind)
+        ]
+
+    async def wait_for(
+        self, predicate: Callable[[TaskEvent], bool], timeout_s: float = 15.0
+    ) -> TaskEvent:
+        """The first event (seen so far or to come) that ``predicate`` accepts."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for event in self.events:
+                if predicate(event):
+                    return event
+            left = deadline - time.monotonic()
+            if left <= 0:
+                kinds = [(e.task_id[-6:], kind_of(e)) for e in self.events]
+                raise AssertionError(f"no such event within {timeout_s} s; seen: {kinds}")
+            self._changed.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=left)
+
+    async def first(
+        self, kind: str, task_id: str | None = None, timeout_s: float = 15.0
+    ) -> TaskEvent:
+        """The first event of ``kind`` (of ``task_id``, when given)."""
+        return await self.wait_for(
+            lambda e: kind_of(e) == kind and (task_id is None or e.task_id == task_id), timeout_s
+        )
+
+
+class Registration:
+    """A registry entry for ``worker_id`` that heartbeats with no process pulling its queue: a
+    worker registered but not pulling (a ghost), or, once `silence`d, a dead one."""
+
+    def __init__(
+        self,
+        nc: Client,
+        worker_id: str,
+        *,
+        supports: Sequence[Capability] = ("cpu_inference",),
+        models: Sequence[str] = (MODEL,),
+        interval_s: float = 0.5,
+    ) -> None:
+        self.nc = nc
+        self.record = WorkerRecord(
+            worker_id=worker_id,
+            host=f"host-{worker_id}",
+            instance_id=uuid.uuid4().hex[:12],
+            pid=os.getpid(),
+            version="test",
+            supports=list(supports),
+            models=list(models),
+            started_at=time.time(),
+            heartbeat_at=time.time(),
+        )
+        self.interval_s = interval_s
+        self._beating: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Self:
+        kv = await ensure_streams(self.nc.jetstream())
+
+        async def beat() -> None:
+            while True:
+                record = msgspec.structs.replace(self.record, heartbeat_at=time.time())
+                await kv.put(self.record.worker_id, msgspec.json.encode(record))
+                await asyncio.sleep(self.interval_s)
+
+        self._beating = asyncio.create_task(beat())
+        await asyncio.sleep(0.05)
+        return self
+
+    def silence(self) -> None:
+        """Stop heartbeating, as a process killed with SIGKILL would."""
+        if self._beating is not None:
+            self._beating.cancel()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.silence()
+
+
+async def queued_copies(nc: Client, queue: str) -> list[tuple[str, int]]:
+    """(task id, attempt) of every message on ``queue`` still in ``TASKS``."""
+    js = nc.jetstream()
+    found: list[tuple[str, int]] = []
+    seq = 1
+    while True:
+        try:
+            raw = await js.get_msg(TASKS_STREAM, seq=seq, subject=queue, next=True)
+        except NotFoundError:
+            return found
+        message = msgspec.json.decode(raw.data or b"", type=TaskMessage)
+        found.append((message.task_id, message.attempt))
+        seq = (raw.seq or seq) + 1

@@ -1,0 +1,204 @@
+"""The deployment files against the code: docker-compose.yml, the Dockerfile, the NATS server
+configuration and the service units. No Docker engine runs here, so these hold the files to
+what the code knows: commands that exist, variables the settings read, one install path."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+
+from services.cli import deploy
+from services.cli.deploy import (
+    DEPLOY_DIR,
+    EXAMPLE_WEB_WORKERS,
+    EXAMPLE_WORKERS,
+    SERVICE_ROLES,
+    read_env_file,
+    render_launchd,
+    render_nats_conf,
+    render_systemd,
+    role_permissions,
+)
+from services.cli.main import build_parser
+from services.runtime import settings as settings_module
+from services.runtime.errors import ConfigError
+from services.stats.service import CONSUMER as STATS_CONSUMER
+from services.web_search.service import WEB_CONSUMER
+from services.worker.service import SHARED_CONSUMER, consumer_name
+
+ROOT = DEPLOY_DIR.parent
+COMPOSE = ROOT / "docker-compose.yml"
+OUR_IMAGE = "coordinator:latest"
+
+
+def compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return loaded
+
+
+def ours(services: dict[str, Any]) -> dict[str, Any]:
+    """The services that run the project's image (the others are nats, postgres…)."""
+    return {name: s for name, s in services.items() if s.get("image") == OUR_IMAGE}
+
+
+def known_variables() -> set[str]:
+    """Every variable a settings Struct reads: its fields, upper-cased."""
+    found: set[str] = set()
+    pending: list[type[Any]] = [settings_module.Settings]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        found |= {f.name.upper() for f in msgspec.structs.fields(cls)}
+    return found
+
+
+def parses(argv: list[str]) -> argparse.Namespace:
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as exc:
+        if exc.code == 0:  # --help
+            return argparse.Namespace()
+        raise AssertionError(f"`coordinator {shlex.join(argv)}` is not a command") from None
+
+
+def test_every_service_runs_a_command_that_exists_with_variables_the_settings_read() -> None:
+    services = ours(compose()["services"])
+    assert {"setup", "router", "stats", "reaper", "gateway", "web_search", "worker"} <= set(
+        services
+    )
+    known = known_variables()
+    for name, service in services.items():
+        parses(service["command"])
+        for variable in service["environment"]:
+            standard = variable.startswith("OTEL_")
+            assert variable in known or standard, f"{name}: {variable} is read by no settings"
+
+
+def test_every_service_has_a_restart_policy_and_long_running_ones_a_health_check() -> None:
+    services = compose()["services"]
+    needed_done = {
+        dep
+        for s in services.values()
+        for dep, cond in (s.get("depends_on") or {}).items()
+        if cond.get("condition") == "service_completed_successfully"
+    }
+    for name, service in services.items():
+        restart = service.get("restart")
+        assert restart in ("unless-stopped", "always", "on-failure", "no"), name
+        for dep in service.get("depends_on") or {}:
+            assert dep in services, f"{name} depends on unknown {dep}"
+        if restart in ("on-failure", "no"):
+            # A job: run once before others (setup) or by hand (a profile).
+            assert name in needed_done or service.get("profiles"), name
+            continue
+        test = service["healthcheck"]["test"]
+        assert test[0] == "CMD" and len(test) > 1, name
+        if name in ours(services):
+            assert test[1] == "coordinator", name
+            parses(test[2:])
+            assert test[2:4] == ["health", service["command"][0]], name
+
+
+def test_compose_users_and_passwords_are_those_of_the_nats_configuration() -> None:
+    services = compose()["services"]
+    conf = (DEPLOY_DIR / "nats" / "nats-server.conf").read_text()
+    users = dict(re.findall(r"\{ user: (\S+), password: \$(\w+)", conf))
+    assert set(services["nats"]["environment"]) == set(users.values())
+    example = read_env_file(DEPLOY_DIR / "example.env")
+    assert set(users.values()) <= set(example)
+    for name, service in ours(services).items():
+        env = service["environment"]
+        assert env["NATS_USER"] in users, name
+        assert env["NATS_PASSWORD"] == f"${{{users[env['NATS_USER']]}}}", name
+    # The conf's example workers are compose's.
+    assert services["worker"]["environment"]["WORKER_ID"] in EXAMPLE_WORKERS
+    assert services["web_search"]["environment"]["WORKER_ID"] in EXAMPLE_WEB_WORKERS
+
+
+def test_the_image_is_installed_by_the_same_script_as_ci() -> None:
+    dockerfile = (DEPLOY_DIR / "Dockerfile").read_text()
+    runs = [
+        line.removeprefix("RUN ").strip()
+        for line in dockerfile.splitlines()
+        if line.startswith("RUN ")
+    ]
+    assert "./scripts/bootstrap" in runs
+    assert not [r for r in runs if "pip" in r], "install steps belong in scripts/bootstrap"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^\./scripts/bootstrap\b", ci, re.MULTILINE)
+    copied = {line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ")}
+    # What `pip install -e .` builds from, and the script itself.
+    assert {"schemas", "services", "scripts", "pyproject.toml"} <= copied
+    assert compose()["x-coordinator"]["build"]["dockerfile"] == "deploy/Dockerfile"
+
+
+def test_the_committed_nats_configuration_is_the_rendering_of_the_permissions() -> None:
+    committed = (DEPLOY_DIR / "nats" / "nats-server.conf").read_text()
+    assert committed == render_nats_conf(EXAMPLE_WORKERS, EXAMPLE_WEB_WORKERS), (
+        "re-render: coordinator deploy render nats --worker cpu1 --web-worker search1 "
+        "> deploy/nats/nats-server.conf"
+    )
+
+
+def test_permissions_use_the_services_own_names() -> None:
+    assert deploy.worker_consumer("cpu1") == consumer_name("cpu1")
+    assert deploy.SHARED_CONSUMER == SHARED_CONSUMER
+    assert deploy.WEB_CONSUMER == WEB_CONSUMER
+    assert deploy.STATS_CONSUMER == STATS_CONSUMER
+    worker = role_permissions("worker", "cpu1")
+    assert "$JS.API.CONSUMER.CREATE.TASKS.worker-cpu1.tasks.*.cpu1" in worker.publish
+    assert not [s for s in worker.publish if s.startswith("tasks.")]
+    assert not [s for s in worker.subscribe if s.startswith("events.")]
+    with pytest.raises(ConfigError):
+        role_permissions("worker")
+    with pytest.raises(ConfigError):
+        role_permissions("worker", "a.b")
+
+
+def test_a_worker_unit_is_a_template_whose_instance_is_the_worker_id(tmp_path: Path) -> None:
+    env = tmp_path / "worker.env"
+    env.write_text("NATS_URL=nats://bus:4222\n")
+    unit = render_systemd("worker", env, coordinator="/opt/c/.venv/bin/coordinator", user="coord")
+    assert f"EnvironmentFile={env}" in unit
+    assert "ExecStart=/usr/bin/env WORKER_ID=%i /opt/c/.venv/bin/coordinator worker" in unit
+    assert "Restart=always" in unit
+    router = render_systemd("router", env, coordinator="/c", user="coord")
+    assert "ExecStart=/c router" in router
+    assert "%i" not in router
+    stats = render_systemd("stats", env, coordinator="/c", user="coord")
+    assert "ExecStart=/c stats serve" in stats
+    assert set(SERVICE_ROLES) == {"router", "stats", "reaper", "gateway", "web-search", "worker"}
+
+
+def test_a_launchd_agent_reads_the_env_file_and_pins_the_worker_id(tmp_path: Path) -> None:
+    env = tmp_path / "mac.env"
+    env.write_text('WORKER_ID=mac1\nPG_DSN="host=db dbname=c"\n')
+    plist = render_launchd(
+        "worker",
+        env,
+        coordinator="/Users/me/c/.venv/bin/coordinator",
+        worker_id="mac1",
+        log_dir=Path("/Users/me/Library/Logs"),
+    )
+    assert "<string>org.coordinator.worker.mac1</string>" in plist
+    assert f"<string>{env}</string>" in plist
+    assert 'WORKER_ID="$2"; exec "$1" worker' in plist
+    assert "<key>KeepAlive</key><true/>" in plist
+    assert read_env_file(env) == {"WORKER_ID": "mac1", "PG_DSN": "host=db dbname=c"}
+
+
+def test_deploy_render_commands_parse() -> None:
+    args = parses(["deploy", "render", "systemd", "--role", "worker", "--env-file", "/x.env"])
+    assert args.role == "worker"
+    args = parses(["deploy", "render", "nats", "--worker", "a", "--worker", "b"])
+    assert args.worker == ["a", "b"]
+    parses(["doctor", "--unit-dir", "/tmp"])
+    parses(["health", "reaper"])
+    parses(["setup"])

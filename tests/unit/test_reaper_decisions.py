@@ -1,0 +1,148 @@
+"""What the reaper does with a finding: move the task to another worker, or fail it, saying why."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas.workers import WorkerRecord
+from services.reaper.decisions import Fail, Move, decide
+from services.reaper.detectors import TaskFinding
+from services.reaper.view import TaskTrack
+
+NOW = 1_000.0
+
+
+def worker(
+    worker_id: str, *, supports: tuple[str, ...] = ("cpu_inference",), **fields: Any
+) -> WorkerRecord:
+    values: dict[str, Any] = {
+        "worker_id": worker_id,
+        "host": "h",
+        "instance_id": "i",
+        "pid": 1,
+        "version": "t",
+        "supports": list(supports),
+        "models": ["qwen2.5:7b"],
+        "started_at": NOW - 100,
+        "heartbeat_at": NOW - 0.5,
+        **fields,
+    }
+    return WorkerRecord(**values)
+
+
+def task(**fields: Any) -> TaskTrack:
+    values: dict[str, Any] = {
+        "task_id": "t-1",
+        "model": "qwen2.5:7b",
+        "attempt": 1,
+        "status": "running",
+        "since": NOW - 10,
+        "worker": "a",
+        "queue": "tasks.cpu.a",
+        "runner": "a",
+        **fields,
+    }
+    return TaskTrack(**values)
+
+
+DEAD = TaskFinding("t-1", 1, "dead_worker", "a", "worker 'a' last heartbeat 9.0 s ago (over 3 s)")
+
+
+def decide_for(
+    finding: TaskFinding, track: TaskTrack, workers: list[WorkerRecord], **options: Any
+) -> Move | Fail:
+    settings: dict[str, Any] = {"now": NOW, "ttl_s": 3.0, "max_attempts": 5, **options}
+    return decide(finding, track, workers, **settings)
+
+
+def test_a_dead_workers_task_moves_to_another_live_worker_with_the_model_as_the_next_attempt() -> (
+    None
+):
+    plan = decide_for(DEAD, task(), [worker("a", heartbeat_at=NOW - 9), worker("b")])
+    assert isinstance(plan, Move)
+    assert (plan.attempt, plan.decision.worker_id, plan.decision.queue) == (2, "b", "tasks.cpu.b")
+    assert plan.reason.startswith("moved by the reaper (dead_worker: worker 'a' last heartbeat")
+
+
+def test_any_tier_will_do_and_the_routing_policy_picks_as_the_router_would() -> None:
+    gpu = worker("mac", supports=("gpu_inference",))
+    plan = decide_for(DEAD, task(), [worker("a"), worker("b"), gpu])
+    assert isinstance(plan, Move)
+    assert plan.decision.worker_id == "mac"
+    busy = decide_for(DEAD, task(), [worker("b"), worker("c")], depth={"b": 3})
+    assert isinstance(busy, Move)
+    assert busy.decision.worker_id == "c"
+
+
+def test_without_another_worker_it_fails_as_a_single_point_of_failure() -> None:
+    plan = decide_for(DEAD, task(), [worker("a"), worker("b", models=["gemma3:1b"])])
+    assert plan == Fail(
+        "t-1",
+        1,
+        "a",
+        "no_alternative_worker",
+        "no alternative worker can serve model 'qwen2.5:7b' (reason=dead_worker); "
+        "single point of failure",
+    )
+
+
+def test_a_dead_workers_heartbeat_alone_does_not_make_it_an_alternative() -> None:
+    stale = worker("b", heartbeat_at=NOW - 10)
+    assert isinstance(decide_for(DEAD, task(), [stale]), Fail)
+
+
+def test_a_web_search_is_never_re_dispatched_it_fails_with_the_reason() -> None:
+    plan = decide_for(DEAD, task(task_type="web_search"), [worker("b")])
+    assert isinstance(plan, Fail)
+    assert plan.code == "worker_lost"
+    assert plan.reason == (
+        "web_search tasks are not re-dispatched (reason=dead_worker): "
+        "worker 'a' last heartbeat 9.0 s ago (over 3 s)"
+    )
+    ghost = TaskFinding("t-1", 1, "ghost_pending", None, "queued on tasks.web for 12 s")
+    assert decide_for(ghost, task(task_type="web_search"), []).code == "ghost_pending"  # type: ignore[union-attr]
+
+
+def test_a_task_for_a_named_worker_is_never_moved_to_another() -> None:
+    plan = decide_for(DEAD, task(designated="a"), [worker("b")])
+    assert isinstance(plan, Fail)
+    assert plan.code == "worker_unavailable"
+    assert "worker 'a' was asked for by name" in plan.reason
+
+
+def test_after_the_last_allowed_attempt_it_fails_instead_of_moving_again() -> None:
+    plan = decide_for(DEAD, task(attempt=3), [worker("b")], max_attempts=3)
+    assert isinstance(plan, Fail)
+    assert (plan.attempt, plan.code) == (3, "too_many_attempts")
+    assert plan.reason.startswith("gave up after 3 attempts (reason=dead_worker)")
+
+
+def test_a_retryable_failures_verdict_is_the_next_attempt_the_failed_one_has_its_outcome() -> None:
+    retry = task(status="retry", failure_code="backend_unavailable")
+    finding = TaskFinding("t-1", 1, "backend_unavailable", "a", "worker 'a' failed attempt 1")
+    failed = decide_for(finding, retry, [worker("a")])
+    assert isinstance(failed, Fail)
+    assert failed.attempt == 2
+    assert "(reason=backend_unavailable); single point of failure" in failed.reason
+    moved = decide_for(finding, retry, [worker("a"), worker("b")])
+    assert isinstance(moved, Move)
+    assert (moved.attempt, moved.decision.worker_id) == (2, "b")
+
+
+def test_a_task_never_routed_is_routed_as_its_first_attempt() -> None:
+    finding = TaskFinding("t-1", 0, "ghost_pending", None, "never routed")
+    plan = decide_for(finding, task(attempt=0, status="unrouted", worker=None), [worker("a")])
+    assert isinstance(plan, Move)
+    assert (plan.attempt, plan.decision.worker_id) == (1, "a")
+
+
+def test_a_task_for_a_named_worker_never_routed_is_routed_there_or_fails_naming_it() -> None:
+    finding = TaskFinding("t-1", 0, "ghost_pending", None, "never routed")
+    unrouted = task(attempt=0, status="unrouted", worker=None, designated="b")
+    plan = decide_for(finding, unrouted, [worker("a"), worker("b")])
+    assert isinstance(plan, Move)
+    assert (plan.attempt, plan.decision.worker_id) == (1, "b")
+    gone = decide_for(finding, unrouted, [worker("a")])
+    assert isinstance(gone, Fail)
+    assert gone.code == "worker_unavailable"
+    assert gone.reason.startswith("worker 'b' is not live")
