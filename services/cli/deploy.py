@@ -27,6 +27,8 @@ from typing import Any, Final
 from schemas.subjects import (
     ASLEEP_BUCKET,
     EVENTS_STREAM,
+    REAPER_SERVICE,
+    REAPER_STATUS,
     ROUTE,
     SHARED_CPU_QUEUE,
     STATS,
@@ -207,6 +209,8 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 *_KV_WATCH,
                 *_ALIASES,
                 "$SRV.PING.coordinator-router",
+                # Whether a reaper runs decides who moves a retryable failure on.
+                f"$SRV.PING.{REAPER_SERVICE}",
                 _INBOX,
             ],
             subscribe=[
@@ -268,7 +272,7 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 *_ALIASES,
                 _INBOX,
             ],
-            subscribe=[_INBOX, *_MICRO, "events.task.>", "events.worker.>"],
+            subscribe=[_INBOX, *_MICRO, REAPER_STATUS, "events.task.>", "events.worker.>"],
         )
     if role == "gateway":
         return Permissions(
