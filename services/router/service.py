@@ -10,6 +10,7 @@ from collections.abc import Callable
 from contextlib import suppress
 
 import msgspec
+import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -173,6 +174,7 @@ class Router:
         self._events_sub: Subscription | None = None
         self._problems_sub: Subscription | None = None
         self._reaper_seen = float("-inf")
+        self._reaper_asked = float("-inf")
         self._service: Service | None = None
 
     async def start(self) -> None:
@@ -258,7 +260,7 @@ class Router:
         elif isinstance(event, TaskCompleted | TaskFailed):
             self.view.ended(event.task_id)
             if waiter is not None:
-                waiter.ended(event)  # an older attempt's outcome is stale: ignored
+                await waiter.ended(event)  # an older attempt's outcome is stale: ignored
 
     async def _on_duplicate(self, msg: Msg) -> None:
         try:
@@ -268,15 +270,29 @@ class Router:
         self._problems[event.worker_id] = (time.time(), f"duplicate_consumer: {event.reason}")
 
     async def _ping_reaper(self) -> None:
-        """Note, every `REAPER_PING_S`, whether a reaper answers ``$SRV.PING``."""
+        """Ask every `REAPER_PING_S` whether a reaper runs, so `reaper_runs` rarely has to."""
         while True:
-            with suppress(Exception):
-                await self.nc.request(f"$SRV.PING.{REAPER_SERVICE}", b"", timeout=1.0)
-                self._reaper_seen = time.monotonic()
+            await self._ask_reaper()
             await asyncio.sleep(REAPER_PING_S)
 
-    def reaper_runs(self) -> bool:
-        """A reaper answered lately: a retryable failure will be moved on (`Waiter`)."""
+    async def _ask_reaper(self) -> None:
+        try:
+            await self.nc.request(f"$SRV.PING.{REAPER_SERVICE}", b"", timeout=0.5)
+        except nats.errors.NoRespondersError:
+            self._reaper_asked = float("-inf")  # a quick no: asking again costs nothing
+        except Exception:
+            self._reaper_asked = time.monotonic()  # no answer in time: not again at once
+        else:
+            self._reaper_seen = time.monotonic()
+
+    async def reaper_runs(self) -> bool:
+        """Does a reaper answer ``$SRV.PING`` (lately, or now)? Then a retryable failure will
+        be moved on (`Waiter`)."""
+        now = time.monotonic()
+        if now - self._reaper_seen < 3 * REAPER_PING_S:
+            return True
+        if now - self._reaper_asked >= REAPER_PING_S / 4:
+            await self._ask_reaper()
         return time.monotonic() - self._reaper_seen < 3 * REAPER_PING_S
 
     def problems(self, worker_id: str, now: float) -> list[str]:

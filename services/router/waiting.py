@@ -14,7 +14,7 @@ the answer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from schemas.events import TaskCompleted, TaskFailed
 
@@ -29,7 +29,7 @@ class Waiter:
         self,
         *,
         retryable_kind: bool,
-        moves_on: Callable[[], bool],
+        moves_on: Callable[[], Awaitable[bool]],
         move_on_wait_s: float = MOVE_ON_WAIT_S,
     ) -> None:
         self.future: asyncio.Future[TaskCompleted | TaskFailed] = (
@@ -48,7 +48,7 @@ class Waiter:
             self.attempt = attempt
             self._forget_pending()
 
-    def ended(self, outcome: TaskCompleted | TaskFailed) -> None:
+    async def ended(self, outcome: TaskCompleted | TaskFailed) -> None:
         """An outcome event of the task; stale ones (older attempts) change nothing."""
         if self.future.done() or outcome.attempt < self.attempt:
             return
@@ -58,7 +58,7 @@ class Waiter:
             and outcome.retryable
             and outcome.worker is not None
             and self.retryable_kind
-            and self.moves_on()
+            and await self.moves_on()
         ):
             self._forget_pending()
             loop = asyncio.get_running_loop()

@@ -62,6 +62,17 @@ def worker_env(nats_server: NatsServer, ollama: FakeOllama, worker_id: str) -> d
     )
 
 
+def reaper_answers(nc: Client) -> Callable[[], Awaitable[bool]]:
+    async def ping() -> bool:
+        try:
+            await nc.request("$SRV.PING.coordinator-reaper", b"", timeout=1)
+        except Exception:
+            return False
+        return True
+
+    return ping
+
+
 # -- dead worker --------------------------------------------------------------------------------
 
 
@@ -303,17 +314,6 @@ async def test_two_instances_heartbeating_as_one_worker_id_are_reported(
     assert status["duplicates"] == 1
 
 
-def _reaper_answers(nc: Client) -> Callable[[], Awaitable[bool]]:
-    async def ping() -> bool:
-        try:
-            await nc.request("$SRV.PING.coordinator-reaper", b"", timeout=1)
-        except Exception:
-            return False
-        return True
-
-    return ping
-
-
 # -- retryable failures -------------------------------------------------------------------------
 
 
@@ -326,6 +326,7 @@ async def test_a_task_whose_backend_is_down_fails_fast_and_is_moved_on(
         runner.worker(nats_server.url, gone.url, "gpu-a", worker_supports=["gpu_inference"])
         runner.worker(nats_server.url, ollama.url, "cpu-b")
         await workers_live(nc, 2)
+        await eventually(reaper_answers(nc))
     # gpu-a's model server is down now; the router still prefers the gpu worker.
     async with TaskEvents(nc) as events:
         started = time.monotonic()
@@ -355,6 +356,7 @@ async def test_a_retryable_failure_no_other_worker_can_take_fails_as_a_single_po
     with FakeOllama() as gone:
         runner.worker(nats_server.url, gone.url, "cpu-a")
         await workers_live(nc, 1)
+        await eventually(reaper_answers(nc))
     async with TaskEvents(nc) as events:
         reply = await route(nc, wait=True)
 
@@ -418,7 +420,7 @@ async def test_the_route_reply_is_the_current_attempts_outcome_not_a_late_older_
     runner.reaper(nats_server.url, ghost_after_s=60.0)  # it runs, so failures may move on
     async with Registration(nc, "cpu-a"), TaskEvents(nc) as events:
         await workers_live(nc, 1)
-        await eventually(_reaper_answers(nc))
+        await eventually(reaper_answers(nc))
         asked = asyncio.create_task(route(nc, wait=True))
         routed = await events.wait_for(lambda e: isinstance(e, TaskRouted))
         task_id = routed.task_id
