@@ -11,6 +11,10 @@ Three APIs come in:
   does); errors ``{"error": {"message", "type", "param", "code"}}`` with the project's code.
 - The task API (``POST /route``): `RouteRequest` and `RouteReply` as they are on the bus.
 
+Ollama's model management is answered from the fleet's worker list, never routed: ``/api/show``
+and ``/api/pull`` for a model a live worker serves, and the preloads (``/api/generate`` with an
+empty prompt, ``/api/chat`` with no messages) that load a model and return at once.
+
 A conversation travels to the worker as `RouteRequest.messages` (the worker sends it to its
 backend's chat API); the request's ``prompt`` is `chat_prompt` of it, the text statistics,
 the judge and older workers see.
@@ -18,10 +22,13 @@ the judge and older workers see.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, Final, Protocol, TypeVar
 
 import msgspec
@@ -36,6 +43,7 @@ OLLAMA_API_VERSION: Final = "0.12.0"
 KEEP_ALIVE_S: Final = 300.0
 
 _NS_PER_MS = 1_000_000
+_NS_PER_S = 1_000_000_000
 _encoder = msgspec.json.Encoder()
 
 
@@ -64,6 +72,17 @@ class Ask:
     """OpenAI's ``stream_options.include_usage``."""
 
 
+@dataclass(frozen=True, slots=True)
+class Preload:
+    """An Ollama request that only loads a model (``/api/generate`` with an empty prompt,
+    ``/api/chat`` with no messages), or unloads it (the same with ``keep_alive`` 0). The
+    gateway answers it at once when a live worker serves the model; no task is routed."""
+
+    model: str
+    chat: bool
+    unload: bool
+
+
 # -- request bodies: the fields the gateway uses; others are ignored, as Ollama ignores them ----
 
 
@@ -86,16 +105,28 @@ class _OllamaGenerate(msgspec.Struct):
     suffix: str | None = None
     template: str | None = None
     raw: bool = False
+    keep_alive: Any = None
 
 
 class _OllamaChat(msgspec.Struct):
     model: str = ""
-    messages: list[_OllamaMessage] = msgspec.field(default_factory=list)
+    # Ollama's CLI loads a model with ``"messages": null``.
+    messages: list[_OllamaMessage] | None = None
     stream: bool = True
     options: dict[str, Any] | None = None
     think: bool | str | None = None
     tools: list[Any] | None = None
     format: Any = None
+    keep_alive: Any = None
+
+
+class _OllamaModelRequest(msgspec.Struct):
+    """``/api/show`` and ``/api/pull``: the model by ``model`` or its older name ``name``
+    (Ollama's CLI sends both, one of them empty)."""
+
+    model: str | None = None
+    name: str | None = None
+    stream: bool | None = None
 
 
 class _ContentPart(msgspec.Struct):
@@ -164,6 +195,11 @@ def _refuse(field: str, present: object) -> None:
         raise ApiError(400, "unsupported", f"'{field}' is not supported by the Coordinator gateway")
 
 
+def _require_model(model: str) -> None:
+    if not model.strip():
+        raise ApiError(400, "bad_request", "model is required")
+
+
 def _route(
     model: str,
     prompt: str,
@@ -174,8 +210,7 @@ def _route(
     messages: list[ChatMessage] | None = None,
     think: bool | str | None = None,
 ) -> RouteRequest:
-    if not model.strip():
-        raise ApiError(400, "bad_request", "model is required")
+    _require_model(model)
     if not prompt.strip():
         raise ApiError(400, "bad_request", "the prompt (or every message) is empty")
     return RouteRequest(
@@ -226,14 +261,19 @@ def _chat(messages: list[ChatMessage]) -> tuple[str, list[ChatMessage]]:
     return chat_prompt(messages), messages
 
 
-def ollama_generate(body: bytes, *, timeout_s: float | None) -> Ask:
-    """``POST /api/generate``; a ``system`` prompt makes it a two-message conversation."""
+def ollama_generate(body: bytes, *, timeout_s: float | None) -> Ask | Preload:
+    """``POST /api/generate``; a ``system`` prompt makes it a two-message conversation; an
+    empty prompt (Ollama's test is exactly ``""``) is a `Preload`, unloading when
+    ``keep_alive`` is zero."""
     req = _decode(body, _OllamaGenerate, "generate")
     _refuse("images", req.images)
     _refuse("format", req.format)
     _refuse("suffix", req.suffix)
     _refuse("template", req.template)
     _refuse("raw", req.raw)
+    if req.prompt == "":
+        _require_model(req.model)
+        return Preload(model=req.model, chat=False, unload=keep_alive_ns(req.keep_alive) == 0)
     messages = None
     prompt = req.prompt
     if req.system and req.prompt.strip():
@@ -250,11 +290,16 @@ def ollama_generate(body: bytes, *, timeout_s: float | None) -> Ask:
     return Ask(route=route)
 
 
-def ollama_chat(body: bytes, *, timeout_s: float | None) -> Ask:
-    """``POST /api/chat``."""
+def ollama_chat(body: bytes, *, timeout_s: float | None) -> Ask | Preload:
+    """``POST /api/chat``; no messages at all is a `Preload`, unloading when ``keep_alive``
+    is under a second (Ollama's chat test: whole seconds are zero)."""
     req = _decode(body, _OllamaChat, "chat")
     _refuse("tools", req.tools)
     _refuse("format", req.format)
+    if not req.messages:
+        _require_model(req.model)
+        keep = keep_alive_ns(req.keep_alive)
+        return Preload(model=req.model, chat=True, unload=keep is not None and keep < _NS_PER_S)
     for m in req.messages:
         _refuse("images", m.images)
         _refuse("tool_calls", m.tool_calls)
@@ -340,6 +385,63 @@ def openai_completion(body: bytes, *, timeout_s: float | None) -> Ask:
     )
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     return Ask(route=route, include_usage=include_usage)
+
+
+# Go's time.ParseDuration units, which Ollama's ``keep_alive`` strings use ("5m", "0s", "1h30m").
+_GO_UNITS: Final = {
+    "ns": 1,
+    "us": 1_000,
+    "µs": 1_000,
+    "μs": 1_000,
+    "ms": _NS_PER_MS,
+    "s": _NS_PER_S,
+    "m": 60 * _NS_PER_S,
+    "h": 3600 * _NS_PER_S,
+}
+_GO_PART: Final = r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)"
+_GO_DURATION: Final = re.compile(f"(?:{_GO_PART})+")
+# What Ollama makes of a negative keep_alive: keep the model loaded for ever.
+FOREVER_NS: Final = 2**63 - 1
+
+
+def keep_alive_ns(value: Any) -> int | None:
+    """Ollama's ``keep_alive`` in nanoseconds, as Ollama reads it: a number is seconds, a
+    string a Go duration ("0", "0s", "5m"); negative is for ever; None when not given."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+        if value < 0 or math.isinf(value):
+            return FOREVER_NS
+        return min(int(value * _NS_PER_S), FOREVER_NS)
+    if isinstance(value, str):
+        negative = value.startswith("-")
+        text = value[1:] if value[:1] in ("+", "-") else value
+        if text == "0":
+            return 0
+        if _GO_DURATION.fullmatch(text):
+            parts = re.findall(_GO_PART, text)
+            total = int(sum(Decimal(number) * _GO_UNITS[unit] for number, unit in parts))
+            return FOREVER_NS if negative and total else min(total, FOREVER_NS)
+    raise ApiError(
+        400, "bad_request", f"invalid keep_alive {value!r}: seconds, or a duration like '5m'"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelAsk:
+    """A ``/api/show`` or ``/api/pull`` request: which model, and (pull) streamed or not."""
+
+    model: str
+    stream: bool = True
+
+
+def ollama_model_request(body: bytes, what: str) -> ModelAsk:
+    """``POST /api/show`` or ``/api/pull`` (``what`` names it in errors): ``model``, else the
+    older ``name``; ``stream`` is true unless ``false``."""
+    req = _decode(body, _OllamaModelRequest, what)
+    model = req.model or req.name or ""
+    _require_model(model)
+    return ModelAsk(model=model, stream=req.stream is not False)
 
 
 def task_route(body: bytes) -> RouteRequest:
@@ -719,3 +821,86 @@ def openai_models(workers: Sequence[WorkerView]) -> bytes:
         for model, serving in served_models(workers).items()
     ]
     return _encoder.encode({"object": "list", "data": data})
+
+
+# -- Ollama's model management, answered from the fleet's worker list ------------------------------
+
+
+def workers_serving(
+    model: str, workers: Sequence[WorkerView], *, pull: bool = False
+) -> list[WorkerView]:
+    """The live inference workers that serve ``model`` (its exact name, as the router matches
+    it), else the error: 404 in Ollama's words while some inference worker is live (for a pull:
+    saying the gateway cannot pull, and where the served models are listed), 503 when none is
+    (`refusal_status`'s rule for ``no_worker``)."""
+    serving = served_models(workers).get(model)
+    if serving:
+        return serving
+    if not any(w.tier != "web" for w in workers):
+        raise ApiError(
+            refusal_status("no_worker", fleet_has_workers=False),
+            "no_worker",
+            f"model '{model}' is not served: no inference worker is live",
+        )
+    message = f"model '{model}' not found"
+    if pull:
+        message += (
+            ": the Coordinator gateway cannot pull models onto its workers, and no live worker"
+            " serves this one; GET /api/tags lists the models the fleet serves"
+        )
+    raise ApiError(refusal_status("no_worker", fleet_has_workers=True), "no_worker", message)
+
+
+def ollama_show(model: str, serving: Sequence[WorkerView]) -> bytes:
+    """``POST /api/show`` for a model the ``serving`` workers serve. The fleet knows a model by
+    name only: template, parameters and details are empty; ``model_info`` holds an empty
+    ``general.architecture`` (Ollama 0.12's ``ollama show`` reads that key unchecked);
+    ``capabilities`` is ``["completion"]`` (each served model passed a worker's sanity
+    generation); ``modified_at`` and ``workers`` (not in Ollama's shape) as in ``/api/tags``."""
+    workers = [w.worker_id for w in serving]
+    modelfile = (
+        "# Modelfile generated by the Coordinator gateway: the fleet knows this model by name\n"
+        f"# served by: {', '.join(workers)}\n"
+        f"FROM {model}\n"
+    )
+    return _encoder.encode(
+        {
+            "modelfile": modelfile,
+            "parameters": "",
+            "template": "",
+            "details": _DETAILS,
+            "model_info": {"general.architecture": ""},
+            "capabilities": ["completion"],
+            "modified_at": iso_now(max(w.last_heartbeat for w in serving)),
+            "workers": workers,
+        }
+    )
+
+
+# What a pull of a model that is already there reports, in Ollama's words (less the layers).
+PULL_STEPS: Final = ("pulling manifest", "success")
+
+
+def ollama_pull(*, stream: bool) -> bytes:
+    """``POST /api/pull`` of a model the fleet serves: nothing to do, so success at once
+    (NDJSON steps when streamed, else the last one)."""
+    if stream:
+        return b"".join(_line({"status": step}) for step in PULL_STEPS)
+    return _encoder.encode({"status": PULL_STEPS[-1]})
+
+
+def ollama_preload(preload: Preload, at: float | None = None) -> bytes:
+    """The answer to a `Preload`, Ollama's: one JSON object, empty text, ``done_reason``
+    ``load`` (or ``unload``)."""
+    text: dict[str, Any] = (
+        {"message": {"role": "assistant", "content": ""}} if preload.chat else {"response": ""}
+    )
+    return _encoder.encode(
+        {
+            "model": preload.model,
+            "created_at": iso_now(at),
+            **text,
+            "done": True,
+            "done_reason": "unload" if preload.unload else "load",
+        }
+    )

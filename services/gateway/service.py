@@ -5,8 +5,9 @@ Every generation is routed with ``wait`` and ``stream``: the router's first chun
 the task, so a client that goes away (aiohttp cancels its handler, or a write fails) has its
 task cancelled through ``coordinator.cancel``; pieces are forwarded as the worker produces
 them; the HTTP status is decided only when the first text (or the end) arrives, so a task
-that fails before any output still gets a proper error status. The shapes and statuses are
-pure functions in `services.gateway.convert`.
+that fails before any output still gets a proper error status. Ollama's model management
+(``/api/show``, ``/api/pull``, preloads) is answered from ``coordinator.workers`` alone: no
+task. The shapes and statuses are pure functions in `services.gateway.convert`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from services.gateway.convert import (
     Ask,
     OllamaShape,
     OpenAIShape,
+    Preload,
     Shape,
     TaskShape,
 )
@@ -62,6 +64,7 @@ CANCEL_RETRY_S: Final = 0.2
 # The router replies within the task's timeout plus its margin; the gateway waits beyond that.
 WAIT_MARGIN_S: Final = 60.0
 JSON: Final = "application/json"
+NDJSON: Final = "application/x-ndjson"
 TASK_HEADER: Final = "X-Coordinator-Task"
 
 _encoder = msgspec.json.Encoder()
@@ -70,7 +73,7 @@ _reply_decoder = msgspec.json.Decoder(RouteReply)
 _error_decoder = msgspec.json.Decoder(ErrorBody)
 _workers_decoder = msgspec.json.Decoder(WorkersReply)
 
-Parser = Callable[..., Ask]
+Parser = Callable[..., Ask | Preload]
 
 
 class Replies:
@@ -130,12 +133,15 @@ class Gateway:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         routes = app.router
+        # add_get also answers HEAD, which Ollama's CLI sends to / to see the server is up.
         routes.add_get("/", self.root)
         routes.add_get("/api/version", self.version)
         routes.add_get("/api/tags", self.tags)
         routes.add_get("/api/ps", self.ps)
         routes.add_post("/api/generate", self.api_generate)
         routes.add_post("/api/chat", self.api_chat)
+        routes.add_post("/api/show", self.api_show)
+        routes.add_post("/api/pull", self.api_pull)
         routes.add_get("/v1/models", self.v1_models)
         routes.add_post("/v1/chat/completions", self.v1_chat)
         routes.add_post("/v1/completions", self.v1_completions)
@@ -171,6 +177,43 @@ class Gateway:
             return self._error(shape, exc)
         return web.Response(body=render(workers), content_type=JSON)
 
+    # -- Ollama's model management: the worker list, no task ---------------------------------
+
+    async def api_show(self, request: web.Request) -> web.Response:
+        """``POST /api/show``: a model a live worker serves, in Ollama's shape."""
+        try:
+            asked = convert.ollama_model_request(await _read(request), "show")
+            serving = convert.workers_serving(asked.model, await self._workers())
+        except ApiError as exc:
+            return self._error(OllamaShape(model="", chat=False), exc)
+        return web.Response(body=convert.ollama_show(asked.model, serving), content_type=JSON)
+
+    async def api_pull(self, request: web.Request) -> web.Response:
+        """``POST /api/pull``: the gateway cannot pull; a model the fleet serves is a success
+        at once, any other a 404 that says so."""
+        try:
+            asked = convert.ollama_model_request(await _read(request), "pull")
+            convert.workers_serving(asked.model, await self._workers(), pull=True)
+        except ApiError as exc:
+            return self._error(OllamaShape(model="", chat=False), exc)
+        return web.Response(
+            body=convert.ollama_pull(stream=asked.stream),
+            content_type=NDJSON if asked.stream else JSON,
+        )
+
+    async def _preload(self, request: web.Request, preload: Preload) -> web.Response:
+        """A load (or unload) of a served model: answered at once. Workers keep their models
+        loaded as their own Ollama decides; nothing is loaded or unloaded here."""
+        convert.workers_serving(preload.model, await self._workers())
+        log.info(
+            "request",
+            path=request.path,
+            model=preload.model,
+            preload="unload" if preload.unload else "load",
+            status=200,
+        )
+        return web.Response(body=convert.ollama_preload(preload), content_type=JSON)
+
     # -- generation --------------------------------------------------------------------------
 
     async def api_generate(self, request: web.Request) -> web.StreamResponse:
@@ -198,6 +241,8 @@ class Gateway:
         try:
             body = await _read(request)
             ask = parse(body, timeout_s=self.settings.gateway_task_timeout_s)
+            if isinstance(ask, Preload):
+                return await self._preload(request, ask)
         except ApiError as exc:
             return self._error(make_shape("", None), exc)
         return await self._serve(request, ask.route, make_shape(ask.route.model, ask))

@@ -131,6 +131,7 @@ async def test_tags_version_and_ps(stack: Stack, oc: ollama.AsyncClient) -> None
     async with httpx.AsyncClient(base_url=stack.url) as http:
         assert (await http.get("/api/version")).json()["version"]
         assert (await http.get("/")).text == "Ollama is running"
+        assert (await http.head("/")).status_code == 200  # Ollama's CLI probes it
 
     stack.ollama.delay_s = 2.0  # long enough for a heartbeat to report the worker busy
     running = asyncio.create_task(oc.generate(model=THINKER, prompt="slow"))
@@ -141,6 +142,122 @@ async def test_tags_version_and_ps(stack: Stack, oc: ollama.AsyncClient) -> None
 
     assert await eventually(busy, timeout_s=5) == [THINKER]
     await running
+
+
+# -- Ollama's model management: show, pull, preloads -------------------------------------------
+
+
+async def test_show_describes_a_served_model_and_404s_others(
+    stack: Stack, oc: ollama.AsyncClient
+) -> None:
+    shown = await oc.show(PLAIN)
+    with pytest.raises(ollama.ResponseError) as unknown:
+        await oc.show("nope:1b")
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        legacy = await http.post("/api/show", json={"name": THINKER})
+        nameless = await http.post("/api/show", json={})
+
+    assert shown.capabilities == ["completion"]
+    assert shown.details is not None and shown.details.family == ""
+    assert shown.modelinfo == {"general.architecture": ""}
+    assert shown.modified_at is not None
+    assert shown.modelfile and f"FROM {PLAIN}" in shown.modelfile
+    assert (unknown.value.status_code, unknown.value.error) == (404, "model 'nope:1b' not found")
+    assert legacy.status_code == 200 and legacy.json()["workers"] == ["cpu-1"]
+    assert nameless.status_code == 400 and nameless.json() == {"error": "model is required"}
+
+
+async def test_pull_of_a_served_model_succeeds_and_of_others_says_the_gateway_cannot_pull(
+    oc: ollama.AsyncClient,
+) -> None:
+    streamed = [p.status async for p in await oc.pull(PLAIN, stream=True)]
+    whole = await oc.pull(THINKER)
+    with pytest.raises(ollama.ResponseError) as unknown:
+        await oc.pull("nope:1b")
+    with pytest.raises(ollama.ResponseError) as unknown_streamed:
+        [p async for p in await oc.pull("nope:1b", stream=True)]
+
+    assert streamed == ["pulling manifest", "success"]
+    assert whole.status == "success"
+    for error in (unknown.value, unknown_streamed.value):
+        assert error.status_code == 404
+        assert "'nope:1b'" in error.error and "cannot pull" in error.error
+        assert "/api/tags" in error.error
+
+
+async def test_preloads_answer_at_once_and_route_no_task(
+    stack: Stack, nc: Client, oc: ollama.AsyncClient
+) -> None:
+    routed = await nc.subscribe("coordinator.route")
+    task_events = await nc.subscribe("events.task.>")
+    backend_before = stack.ollama.stats()
+
+    generated = await oc.generate(model=PLAIN, prompt="")
+    chatted = await oc.chat(model=THINKER, messages=[])
+    streamed = [p async for p in await oc.generate(model=PLAIN, prompt="", stream=True)]
+    unloaded = await oc.generate(model=PLAIN, prompt="", keep_alive=0)
+    chat_unloaded = await oc.chat(model=PLAIN, messages=[], keep_alive="0s")
+    with pytest.raises(ollama.ResponseError) as unknown:
+        await oc.chat(model="nope:1b", messages=[])
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    no_route, no_events = routed.pending_msgs, task_events.pending_msgs
+    backend_after = stack.ollama.stats()
+    # The same subscriptions do see a task when one is routed.
+    assert (await oc.generate(model=PLAIN, prompt="1+1")).response == "2"
+    await nc.flush()
+
+    assert (generated.model, generated.response, generated.done) == (PLAIN, "", True)
+    assert generated.done_reason == "load" and generated.created_at
+    assert chatted.done_reason == "load"
+    assert (chatted.message.role, chatted.message.content) == ("assistant", "")
+    assert [(p.done, p.done_reason) for p in streamed] == [(True, "load")]
+    assert unloaded.done_reason == "unload" and chat_unloaded.done_reason == "unload"
+    assert (unknown.value.status_code, unknown.value.error) == (404, "model 'nope:1b' not found")
+    assert (no_route, no_events) == (0, 0)
+    assert backend_after == backend_before
+    assert routed.pending_msgs == 1
+
+
+async def test_the_ollama_cli_run_and_stop_flow(stack: Stack) -> None:
+    """The requests ``ollama run``, ``ollama pull`` and ``ollama stop`` (0.12) send, with the
+    bodies Go's client encodes (empty strings and nulls for what is not set)."""
+    unset = {"suffix": "", "system": "", "template": "", "options": None}
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        heartbeat = await http.head("/")
+        shown = await http.post(
+            "/api/show",
+            json={"model": "", "system": "", "template": "", "verbose": False, "options": None}
+            | {"name": PLAIN},
+        )
+        loaded = await http.post("/api/generate", json={"model": PLAIN, "prompt": ""} | unset)
+        chatted = await http.post(
+            "/api/chat",
+            json={
+                "model": PLAIN,
+                "messages": [{"role": "user", "content": "2+2"}],
+                "options": {},
+                "stream": False,
+            },
+        )
+        stopped = await http.post(
+            "/api/generate", json={"model": PLAIN, "prompt": "", "keep_alive": "0s"} | unset
+        )
+        chat_loaded = await http.post("/api/chat", json={"model": PLAIN, "messages": None})
+        # An unknown model: show says 404, so the CLI pulls, and the pull says why not.
+        missing = await http.post("/api/show", json={"model": "", "name": "nope:1b"})
+        pulled = await http.post(
+            "/api/pull", json={"model": "nope:1b", "username": "", "password": "", "name": ""}
+        )
+
+    assert heartbeat.status_code == 200
+    assert shown.status_code == 200 and shown.json()["capabilities"] == ["completion"]
+    assert loaded.status_code == 200 and loaded.json()["done_reason"] == "load"
+    assert chatted.json()["message"]["content"] == "4"
+    assert stopped.json()["done_reason"] == "unload"
+    assert chat_loaded.json()["done_reason"] == "load"
+    assert missing.status_code == 404 and pulled.status_code == 404
+    assert "cannot pull" in pulled.json()["error"]
 
 
 # -- the OpenAI API ------------------------------------------------------------------------------
@@ -235,11 +352,16 @@ async def test_no_live_worker_is_503_with_retry_after(
     async with httpx.AsyncClient(base_url=url) as http:
         reply = await http.post("/api/generate", json={"model": PLAIN, "prompt": "hi"})
         tags = await http.get("/api/tags")
+        shown = await http.post("/api/show", json={"model": PLAIN})
+        preload = await http.post("/api/generate", json={"model": PLAIN})
 
     assert reply.status_code == 503
     assert reply.headers["Retry-After"] == "7"
     assert "no worker is registered" in reply.json()["error"]
     assert tags.json() == {"models": []}
+    for refused in (shown, preload):
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "7"
+        assert "no inference worker is live" in refused.json()["error"]
 
 
 async def test_no_router_is_503(nats_server: NatsServer, runner: ServiceRunner) -> None:

@@ -12,7 +12,7 @@ from schemas.measures import Durations, Tokens
 from schemas.queries import WorkerView
 from schemas.route import ChatMessage, RouteReply, StreamChunk
 from services.gateway import convert
-from services.gateway.convert import ApiError, OllamaShape, OpenAIShape, TaskShape
+from services.gateway.convert import ApiError, Ask, OllamaShape, OpenAIShape, Preload, TaskShape
 
 
 def body(**fields: Any) -> bytes:
@@ -21,6 +21,12 @@ def body(**fields: Any) -> bytes:
 
 def decode(data: bytes) -> Any:
     return msgspec.json.decode(data)
+
+
+def routed(ask: Ask | Preload) -> Ask:
+    """A request that becomes a task (not a preload)."""
+    assert isinstance(ask, Ask)
+    return ask
 
 
 DONE = RouteReply(
@@ -39,8 +45,10 @@ DONE = RouteReply(
 
 
 def test_generate_becomes_a_waiting_streamed_route_request() -> None:
-    ask = convert.ollama_generate(
-        body(model="m", prompt="hi", options={"temperature": 0}, think=False), timeout_s=30
+    ask = routed(
+        convert.ollama_generate(
+            body(model="m", prompt="hi", options={"temperature": 0}, think=False), timeout_s=30
+        )
     )
     assert ask.stream  # Ollama streams unless told not to
     route = ask.route
@@ -52,8 +60,10 @@ def test_generate_becomes_a_waiting_streamed_route_request() -> None:
 
 
 def test_a_system_prompt_makes_generate_a_conversation() -> None:
-    route = convert.ollama_generate(
-        body(model="m", prompt="hi", system="be brief", stream=False), timeout_s=None
+    route = routed(
+        convert.ollama_generate(
+            body(model="m", prompt="hi", system="be brief", stream=False), timeout_s=None
+        )
     ).route
     assert route.messages == [
         ChatMessage(role="system", content="be brief"),
@@ -121,7 +131,14 @@ def test_openai_completion_takes_one_prompt() -> None:
         (convert.ollama_generate, body(model="m", prompt="  "), "bad_request"),
         (convert.ollama_generate, body(model="m", prompt="x", images=["aGk="]), "unsupported"),
         (convert.ollama_generate, body(model="m", prompt="x", format="json"), "unsupported"),
-        (convert.ollama_chat, body(model="m", messages=[]), "bad_request"),
+        (convert.ollama_generate, body(prompt=""), "bad_request"),  # a preload needs a model too
+        (convert.ollama_generate, body(model="m", prompt="", keep_alive="5"), "bad_request"),
+        (
+            convert.ollama_chat,
+            body(model="m", messages=[{"role": "user", "content": " "}]),
+            "bad_request",
+        ),
+        (convert.ollama_chat, body(messages=None), "bad_request"),
         (
             convert.ollama_chat,
             body(model="m", messages=[{"role": "robot", "content": "x"}]),
@@ -276,3 +293,140 @@ def test_ps_lists_what_busy_workers_run() -> None:
     running = decode(convert.ollama_ps(fleet))["models"]
     assert [(m["name"], m["workers"]) for m in running] == [("m1", ["a", "b"])]
     assert running[0]["expires_at"].endswith("Z")
+
+
+# -- Ollama's model management ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (body(model="m", prompt=""), Preload(model="m", chat=False, unload=False)),
+        (body(model="m"), Preload(model="m", chat=False, unload=False)),
+        (body(model="m", system="be brief"), Preload(model="m", chat=False, unload=False)),
+        (body(model="m", prompt="", keep_alive=0), Preload(model="m", chat=False, unload=True)),
+        (body(model="m", keep_alive="0s"), Preload(model="m", chat=False, unload=True)),
+        (body(model="m", keep_alive="500ms"), Preload(model="m", chat=False, unload=False)),
+        (body(model="m", keep_alive=-1), Preload(model="m", chat=False, unload=False)),
+    ],
+)
+def test_an_empty_prompt_is_a_preload(raw: bytes, expected: Preload) -> None:
+    assert convert.ollama_generate(raw, timeout_s=None) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (body(model="m", messages=[]), Preload(model="m", chat=True, unload=False)),
+        # Ollama's CLI: ``"messages": null`` and a Go duration.
+        (body(model="m", messages=None), Preload(model="m", chat=True, unload=False)),
+        (body(model="m", keep_alive="0s"), Preload(model="m", chat=True, unload=True)),
+        # Ollama's chat compares whole seconds.
+        (body(model="m", keep_alive="500ms"), Preload(model="m", chat=True, unload=True)),
+        (body(model="m", keep_alive="5m"), Preload(model="m", chat=True, unload=False)),
+    ],
+)
+def test_a_chat_without_messages_is_a_preload(raw: bytes, expected: Preload) -> None:
+    assert convert.ollama_chat(raw, timeout_s=None) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "ns"),
+    [
+        (None, None),
+        (0, 0),
+        (0.0, 0),
+        (1.5, 1_500_000_000),
+        (-1, convert.FOREVER_NS),
+        ("0", 0),
+        ("-0", 0),
+        ("0s", 0),
+        ("5m", 300_000_000_000),
+        ("1h30m", 5_400_000_000_000),
+        ("1.5s", 1_500_000_000),
+        ("250ms", 250_000_000),
+        ("-5m", convert.FOREVER_NS),
+    ],
+)
+def test_keep_alive_is_read_as_ollama_reads_it(value: Any, ns: int | None) -> None:
+    assert convert.keep_alive_ns(value) == ns
+
+
+@pytest.mark.parametrize("value", ["", "5", "5 m", "m", ".s", "5x", True, [1], {"s": 1}])
+def test_a_bad_keep_alive_is_400(value: Any) -> None:
+    with pytest.raises(ApiError) as refused:
+        convert.keep_alive_ns(value)
+    assert (refused.value.status, refused.value.code) == (400, "bad_request")
+
+
+def test_show_and_pull_name_the_model_by_model_or_name() -> None:
+    assert convert.ollama_model_request(body(model="m"), "show").model == "m"
+    # Ollama's CLI sends both fields, one empty.
+    cli = convert.ollama_model_request(body(model="", name="m", options=None), "show")
+    assert cli == convert.ModelAsk(model="m", stream=True)
+    assert not convert.ollama_model_request(body(name="m", stream=False), "pull").stream
+    assert convert.ollama_model_request(body(model="m", stream=None), "pull").stream
+    for raw in (body(), body(model="", name=""), b"", b"[]"):
+        with pytest.raises(ApiError) as refused:
+            convert.ollama_model_request(raw, "show")
+        assert refused.value.status == 400
+
+
+def test_the_workers_serving_a_model_or_why_none_does() -> None:
+    fleet = [worker("a", ["m1"]), worker("b", ["m1", "m2"]), worker("web-1", ["s"], tier="web")]
+    assert [w.worker_id for w in convert.workers_serving("m1", fleet)] == ["a", "b"]
+
+    with pytest.raises(ApiError) as unknown:
+        convert.workers_serving("nope", fleet)
+    assert (unknown.value.status, unknown.value.message) == (404, "model 'nope' not found")
+    with pytest.raises(ApiError) as web_only:
+        convert.workers_serving("s", fleet)  # web-search workers take no inference tasks
+    assert web_only.value.status == 404
+    with pytest.raises(ApiError) as pulled:
+        convert.workers_serving("nope", fleet, pull=True)
+    assert pulled.value.status == 404
+    assert "cannot pull" in pulled.value.message and "/api/tags" in pulled.value.message
+    with pytest.raises(ApiError) as empty:
+        convert.workers_serving("m1", [worker("web-1", ["s"], tier="web")])
+    assert (empty.value.status, empty.value.code) == (503, "no_worker")
+
+
+def test_show_is_in_ollamas_shape() -> None:
+    shown = decode(convert.ollama_show("m1", [worker("a", ["m1"]), worker("b", ["m1"])]))
+    assert shown["details"] == {
+        "parent_model": "",
+        "format": "",
+        "family": "",
+        "families": None,
+        "parameter_size": "",
+        "quantization_level": "",
+    }
+    assert shown["capabilities"] == ["completion"]
+    assert shown["model_info"] == {"general.architecture": ""}
+    assert (shown["template"], shown["parameters"]) == ("", "")
+    assert shown["modelfile"].endswith("FROM m1\n") and "a, b" in shown["modelfile"]
+    assert shown["modified_at"].endswith("Z")
+    assert shown["workers"] == ["a", "b"]
+
+
+def test_pull_succeeds_at_once() -> None:
+    lines = convert.ollama_pull(stream=True).splitlines()
+    assert [decode(line) for line in lines] == [
+        {"status": "pulling manifest"},
+        {"status": "success"},
+    ]
+    assert decode(convert.ollama_pull(stream=False)) == {"status": "success"}
+
+
+def test_a_preload_is_answered_in_ollamas_shape() -> None:
+    loaded = decode(convert.ollama_preload(Preload(model="m", chat=False, unload=False), at=0))
+    assert loaded == {
+        "model": "m",
+        "created_at": "1970-01-01T00:00:00.000000Z",
+        "response": "",
+        "done": True,
+        "done_reason": "load",
+    }
+    unloaded = decode(convert.ollama_preload(Preload(model="m", chat=True, unload=True)))
+    assert unloaded["message"] == {"role": "assistant", "content": ""}
+    assert unloaded["done_reason"] == "unload" and "response" not in unloaded
