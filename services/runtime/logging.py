@@ -1,8 +1,9 @@
 """structlog set up once per process: JSON in production, readable on a terminal.
 
 Each handled message gets one canonical line (the worker's ``task done``/``task failed``, the
-router's ``routed``, the stats service's ``event projected``) carrying ``task_id``, ``subject``
-and ``stream_seq`` from structlog's context, and ``trace_id`` from the current span
+router's ``routed``, the stats service's ``event projected``, at ``debug``: at ``info`` it
+writes one ``batch projected`` line per batch) carrying ``task_id``, ``subject`` and
+``stream_seq`` from structlog's context, and ``trace_id`` from the current span
 (`add_trace_id`), so a line leads to the task's trace and the trace to its lines.
 """
 

@@ -4,7 +4,9 @@ The exporter is chosen by the standard variables: ``OTEL_TRACES_EXPORTER`` = ``o
 (OTLP over HTTP to ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``,
 which the exporter reads itself, with ``OTEL_EXPORTER_OTLP_HEADERS`` and friends),
 ``console`` (spans printed) or ``none``. Unset, OTLP is used when an OTLP endpoint is set, and
-nothing is exported otherwise: spans still give log lines their trace id.
+nothing is exported otherwise. With nothing to export, spans are not recorded (the sampler
+drops them unless ``OTEL_TRACES_SAMPLER`` says otherwise): they still carry a trace id, which
+log lines show and messages pass on, at a fraction of a recorded span's cost.
 
 The context travels as W3C ``traceparent`` (and ``tracestate``) headers on NATS messages:
 `inject_context` on the way out (requests, task messages, events), `extract_context` on the way
@@ -25,6 +27,7 @@ from opentelemetry.sdk.trace.export import (
     ConsoleSpanExporter,
     SimpleSpanProcessor,
 )
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 from services.runtime.errors import ConfigError
 
@@ -51,8 +54,11 @@ def setup_tracing(service_name: str) -> None:
         return
     name = exporter_name()
     resource = Resource.create({"service.name": service_name})  # OTEL_* resource vars merge in
+    # Nothing would see a recorded span: keep the ids, skip the recording. An explicit
+    # OTEL_TRACES_SAMPLER wins (the provider reads it when given no sampler).
+    drop = name == "none" and not os.environ.get("OTEL_TRACES_SAMPLER")
     # The provider flushes buffered spans at exit (shutdown_on_exit).
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, sampler=ALWAYS_OFF if drop else None)
     if name == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
     elif name == "otlp":
@@ -60,6 +66,12 @@ def setup_tracing(service_name: str) -> None:
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
+
+
+def spans_recorded() -> bool:
+    """Whether a span made now could be recorded: False when the sampler drops every span
+    (`setup_tracing` with nothing to export), so a hot path may skip making one."""
+    return getattr(trace.get_tracer_provider(), "sampler", None) is not ALWAYS_OFF
 
 
 def inject_context(headers: dict[str, str]) -> dict[str, str]:

@@ -96,7 +96,7 @@ from services.runtime.endpoints import add_endpoint
 from services.runtime.errors import BadRequest, CoordinatorError, NotFound, Unavailable
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import StatsSettings
-from services.runtime.tracing import extract_context
+from services.runtime.tracing import extract_context, spans_recorded
 from services.stats.aliases import check_alias
 from services.stats.figures import kv_key, routing_figure
 from services.stats.projector import FigureKey
@@ -111,6 +111,10 @@ SERVICE_NAME: Final = "coordinator-stats"
 
 # An idle fetch returns after this long, which bounds how late a stop is noticed.
 FETCH_TIMEOUT_S: Final = 1.0
+# After a batch that did not fill up, events are left to gather this long before the next
+# fetch: under load a batch then holds several tasks' events (one transaction, one pull)
+# instead of one or two. An idle stream still gets its next event projected at once.
+GATHER_S: Final = 0.02
 # Redelivery delay for events not stored because PostgreSQL was away.
 NAK_DELAY_S: Final = 1.0
 # Pauses between attempts while PostgreSQL (or the bus) is away: 1, 2, 4, 5, 5… seconds.
@@ -321,6 +325,8 @@ class StatsService:
                 stored = await self._apply_batch(msgs)
             if stored:
                 backoff_s = BACKOFF_FIRST_S
+                if len(msgs) < self.settings.batch_size:
+                    await self._pause(GATHER_S)
             else:
                 await self._pause(backoff_s)
                 backoff_s = min(backoff_s * 2, BACKOFF_MAX_S)
@@ -361,6 +367,13 @@ class StatsService:
         for msg, seq, event in decoded:
             await self._ack(msg, seq, event, applied=seq in projected.fresh)
         self._note_touched(projected.touched)
+        log.info(
+            "batch projected",
+            events=len(decoded),
+            fresh=len(projected.fresh),
+            first_seq=decoded[0][1],
+            last_seq=decoded[-1][1],
+        )
         return True
 
     async def _apply_each(self, decoded: list[tuple[Msg, int, AnyEvent]]) -> bool:
@@ -398,26 +411,40 @@ class StatsService:
         return True
 
     async def _ack(self, msg: Msg, seq: int, event: AnyEvent, *, applied: bool) -> None:
-        """Ack a committed event, with its one log line, in a ``project event`` span that
-        continues the trace the event carries (from the batch's start to its ack)."""
-        span = tracer.start_as_current_span(
+        """Ack a committed event, with its one (debug) log line, in a ``project event`` span
+        that continues the trace the event carries (from the batch's start to its ack); no span
+        when spans are not recorded (nothing exports them): this runs for every event."""
+        if not spans_recorded():
+            await self._ack_one(msg, seq, event, applied=applied)
+            return
+        with tracer.start_as_current_span(
             "project event",
             context=extract_context(msg.headers),
             start_time=self._batch_started_ns,
             kind=trace.SpanKind.CONSUMER,
             attributes={"messaging.destination.name": msg.subject, "stream_seq": seq},
-        )
-        with _bound(msg, seq, event), span:
-            try:
-                await msg.ack()
-            except Exception as exc:
-                # Committed already: a redelivery will be recognised and acked then.
+        ):
+            await self._ack_one(msg, seq, event, applied=applied)
+
+    async def _ack_one(self, msg: Msg, seq: int, event: AnyEvent, *, applied: bool) -> None:
+        try:
+            await msg.ack()
+        except Exception as exc:
+            # Committed already: a redelivery will be recognised and acked then.
+            with _bound(msg, seq, event):
                 log.warning("ack failed after commit", error=repr(exc))
-            if applied:
-                self.counters.projected += 1
-            else:
-                self.counters.duplicates += 1
-            log.info("event projected", kind=kind_of(event), duplicate=not applied)
+        if applied:
+            self.counters.projected += 1
+        else:
+            self.counters.duplicates += 1
+        log.debug(
+            "event projected",
+            kind=kind_of(event),
+            duplicate=not applied,
+            subject=msg.subject,
+            stream_seq=seq,
+            task_id=getattr(event, "task_id", None),
+        )
 
     async def _pause(self, seconds: float) -> None:
         """Sleep ``seconds``, or less if a stop is requested."""
