@@ -35,6 +35,10 @@ class TaskMessage(Wire, frozen=True, kw_only=True):
     messages: list[ChatMessage] | None = None
     """A conversation for the backend's chat API; ``prompt`` holds it as text."""
     think: bool | str | None = None
+    routed_seq: int | None = None
+    """Where this attempt's ``routed`` event is in ``EVENTS``: the worker stores ``started``
+    only while that is still the task's last ``routed`` (attempt fencing in one round trip).
+    None from a router or reaper that predates it: the worker looks the attempt up."""
 
     @property
     def retryable(self) -> bool:

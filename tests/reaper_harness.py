@@ -15,10 +15,11 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from schemas.events import TaskEvent, kind_of, task_event_decoder
-from schemas.subjects import TASKS_STREAM
+from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
 from schemas.tasks import TaskMessage
 from schemas.workers import Capability, WorkerRecord
 from services.runtime.bus import ensure_streams
@@ -27,7 +28,12 @@ MODEL = "qwen2.5:0.5b"
 
 
 class TaskEvents:
-    """Every task event published while it listens, in the order they arrive."""
+    """Every task event stored while it listens, in the stream's order.
+
+    It reads the ``EVENTS`` stream (an ordered consumer from new messages on), not the core
+    subjects: a publish the stream refused (a stale attempt's fenced ``started``) reaches core
+    subscribers too, but it is not an event.
+    """
 
     def __init__(self, nc: Client) -> None:
         self.nc = nc
@@ -36,7 +42,13 @@ class TaskEvents:
         self._sub: Subscription | None = None
 
     async def __aenter__(self) -> Self:
-        self._sub = await self.nc.subscribe("events.task.>", cb=self._on)
+        self._sub = await self.nc.jetstream().subscribe(
+            "events.task.>",
+            stream=EVENTS_STREAM,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.NEW,
+            cb=self._on,
+        )
         return self
 
     async def __aexit__(

@@ -124,7 +124,7 @@ class Actions:
         """Route the task again as ``move.attempt`` and take its older copies out of the queues."""
         submitted = await self.submission(move.task_id)
         decision = move.decision
-        await publish_event(
+        routed = await publish_event(
             self.js,
             TaskRouted(
                 at=time.time(),
@@ -149,6 +149,7 @@ class Actions:
             submitted_at=submitted.at,
             messages=submitted.messages,
             think=submitted.think,
+            routed_seq=int(routed.seq),  # a repeated move gets the first one's sequence
         )
         await self.js.publish(
             decision.queue,

@@ -16,6 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro import add_service
@@ -160,8 +161,6 @@ class Router:
         self.settings = settings
         self.view = FleetView()
         self.aliases = AliasFollower(self.js)
-        # Tasks queued for a woken worker -> their message's sequence in TASKS.
-        self._wake_pending: dict[str, int] = {}
         self._woken: dict[str, float] = {}
         self.tasks = TaskSet()
         self._waiters: dict[str, Waiter] = {}
@@ -171,7 +170,7 @@ class Router:
         self._next_expiry = 0.0
         # worker id -> (time, what the reaper saw): duplicates shown by `coordinator workers`.
         self._problems: dict[str, tuple[float, str]] = {}
-        self._events_sub: Subscription | None = None
+        self._event_subs: list[Subscription] = []
         self._problems_sub: Subscription | None = None
         self._reaper_seen = float("-inf")
         self._reaper_asked = float("-inf")
@@ -182,7 +181,12 @@ class Router:
         figures = await ensure_bucket(self.js, STATS_BUCKET, ttl_s=None)
         sleepers = await ensure_bucket(self.js, ASLEEP_BUCKET, ttl_s=None)
         await self.aliases.start()
-        self._events_sub = await self.nc.subscribe("events.task.>", cb=self._on_task_event)
+        # Only the kinds routing needs: `submitted` (the largest event) and `started` would be
+        # two more deliveries per task. A woken worker's `started` is asked for per task.
+        self._event_subs = [
+            await self.nc.subscribe(f"events.task.*.{kind}", cb=self._on_task_event)
+            for kind in ("routed", *TERMINAL_KINDS)
+        ]
         self._problems_sub = await self.nc.subscribe(
             "events.worker.*.duplicate", cb=self._on_duplicate
         )
@@ -206,7 +210,7 @@ class Router:
     async def stop(self) -> None:
         if self._service is not None:
             await self._service.stop()
-        for sub in (self._events_sub, self._problems_sub):
+        for sub in (*self._event_subs, self._problems_sub):
             if sub is not None:
                 with suppress(Exception):
                     await sub.unsubscribe()
@@ -242,12 +246,6 @@ class Router:
         self.view.put_figure(value.model, value.domain, value.worker, figure)
 
     async def _on_task_event(self, msg: Msg) -> None:
-        kind = msg.subject.rsplit(".", 1)[-1]
-        if kind == "started":
-            self._wake_pending.pop(msg.subject.split(".")[2], None)
-            return
-        if kind not in ("routed", "completed", "failed"):
-            return
         try:
             event = task_event_decoder.decode(msg.data)
         except msgspec.DecodeError:
@@ -365,6 +363,12 @@ class Router:
         stream_subject = reply_subject.get() if request.stream else None
         if request.stream and not stream_subject:
             raise BadRequest("stream=true needs a reply subject to send the chunks to")
+        # A woken worker's start is watched from before the task is queued.
+        started = (
+            await self.nc.subscribe(task_event(task_id, "started"), max_msgs=1)
+            if waking is not None
+            else None
+        )
         if request.wait or request.stream:
             # Registered before anything is published, so the end cannot be missed.
             waiter = Waiter(
@@ -393,7 +397,9 @@ class Router:
                 stream_subject=stream_subject,
             )
             if waking is not None:
-                await self._wake(waking, task_id, request.model, queued_seq)
+                assert started is not None
+                await self._wake(waking, task_id, request.model, queued_seq, started)
+                started = None  # watched by the wake's own task from now on
             log.info(
                 "routed",
                 task_id=task_id,
@@ -416,6 +422,9 @@ class Router:
             wake_s = self.settings.wake_wait_s if waking is not None else 0.0
             outcome = await self._wait(task_id, waiter.future, timeout_s + wake_s + WAIT_MARGIN_S)
         finally:
+            if started is not None:
+                with suppress(Exception):
+                    await started.unsubscribe()
             if waiter is not None:
                 waiter.close()
             self._waiters.pop(task_id, None)
@@ -486,7 +495,7 @@ class Router:
         # round trip instead of two. One connection keeps their order in EVENTS, and the task
         # is queued only once both are stored.
         submitted: object
-        routed: object
+        routed: PubAck | BaseException
         submitted, routed = await asyncio.gather(
             publish_event(
                 self.js,
@@ -543,6 +552,7 @@ class Router:
                 submitted_at=now,
                 messages=request.messages,
                 think=request.think,
+                routed_seq=int(routed.seq),
             )
             ack = await self.js.publish(
                 decision.queue,
@@ -573,9 +583,12 @@ class Router:
                 msg_id=f"{task_id}:failed:router",
             )
 
-    async def _wake(self, sleeper: WorkerRecord, task_id: str, model: str, seq: int) -> None:
+    async def _wake(
+        self, sleeper: WorkerRecord, task_id: str, model: str, seq: int, started: Subscription
+    ) -> None:
         """Send the magic packet (at most once per `WAKE_RESEND_S` per worker), record it, and
-        fail the task if the worker has not started it within ``WAKE_WAIT_S``."""
+        fail the task (its message ``seq`` in TASKS) if the worker has not started it within
+        ``WAKE_WAIT_S`` (nothing on ``started``, the task's ``started`` subject)."""
         assert sleeper.wol_mac is not None
         now = time.monotonic()
         if now - self._woken.get(sleeper.worker_id, -WAKE_RESEND_S) >= WAKE_RESEND_S:
@@ -592,14 +605,21 @@ class Router:
                 model=model,
             ),
         )
-        self._wake_pending[task_id] = seq
-        self.tasks.spawn(self._give_up_waking(sleeper.worker_id, task_id), name="wake-wait")
+        self.tasks.spawn(
+            self._give_up_waking(sleeper.worker_id, task_id, seq, started), name="wake-wait"
+        )
 
-    async def _give_up_waking(self, worker_id: str, task_id: str) -> None:
-        await asyncio.sleep(self.settings.wake_wait_s)
-        seq = self._wake_pending.pop(task_id, None)
-        if seq is None:
+    async def _give_up_waking(
+        self, worker_id: str, task_id: str, seq: int, started: Subscription
+    ) -> None:
+        try:
+            await started.next_msg(timeout=self.settings.wake_wait_s)
             return  # started in time
+        except nats.errors.TimeoutError:
+            pass
+        finally:
+            with suppress(Exception):
+                await started.unsubscribe()
         try:
             # Take it out of the queue first, so a late wake cannot run a failed task.
             await self.js.delete_msg(TASKS_STREAM, seq)

@@ -15,7 +15,6 @@ import time
 import uuid
 from collections import OrderedDict
 from contextlib import suppress
-from typing import Any
 
 import msgspec
 import nats.errors
@@ -44,13 +43,21 @@ from schemas.subjects import (
     CANCEL_NOTICES,
     SHARED_CPU_QUEUE,
     TASKS_STREAM,
+    task_event,
     worker_queue_filter,
 )
 from schemas.tasks import TaskMessage
 from schemas.workers import WorkerRecord
 from services import __version__
 from services.runtime.aliases import AliasFollower
-from services.runtime.bus import connect, ensure_bucket, ensure_streams, publish_event
+from services.runtime.bus import (
+    connect,
+    ensure_bucket,
+    ensure_streams,
+    fences_by_subject,
+    is_wrong_last_sequence,
+    publish_event,
+)
 from services.runtime.errors import BackendError, BackendUnavailable, Cancelled, ConfigError
 from services.runtime.lease import Lease, LeaseLost
 from services.runtime.outcomes import KeepAlive, current_attempt, store_outcome, stored_outcome
@@ -86,11 +93,11 @@ _NO_WAIT_PULL = b'{"batch":1,"no_wait":true}'
 CANCEL_MEMORY = 1024
 
 
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    """Mark a background publish's failure as seen (it is handled where it is awaited, if the
-    task gets that far; otherwise the task was stopped and nothing waits for it)."""
-    if not future.cancelled():
-        future.exception()
+def _refused(claim: asyncio.Future[bool]) -> bool:
+    """Has the attempt's claim come back refused (a stale copy)?"""
+    if not claim.done() or claim.cancelled() or claim.exception() is not None:
+        return False
+    return not claim.result()
 
 
 def consumer_name(worker_id: str) -> str:
@@ -462,22 +469,28 @@ class Worker:
         outcome: TaskCompleted | TaskFailed
         try:
             if task.task_id in self._cancels:
-                outcome = self._cancelled_outcome(task, None)  # cancelled while queued: not run
+                # Cancelled while queued: not run, and no outcome for a copy that was moved on.
+                if await self._moved_on(task):
+                    bound.warning("stale attempt: the task was moved on; dropped unrun")
+                    await msg.term()
+                    return
+                outcome = self._cancelled_outcome(task, None)
             else:
-                started_event = TaskStarted(
-                    at=time.time(),
-                    task_id=task.task_id,
-                    attempt=task.attempt,
-                    worker=self.settings.worker_id,
-                    host=self.settings.worker_host,
-                )
-                # Sent now, its acknowledgement awaited only before the outcome is stored: the
-                # backend call does not wait a round trip for it, and the log still has the
-                # start before the end (`_started_stored`).
-                started = asyncio.ensure_future(publish_event(self.js, started_event))
-                started.add_done_callback(_retrieved)
-                outcome = await self._generate(task, msg)
-                await self._started_stored(started, started_event)
+                # The claim (`started`, fenced) and the backend call go out together: the
+                # backend does not wait a round trip. Nothing of the attempt leaves the worker
+                # before the claim is stored (stream chunks wait for it, the outcome comes
+                # after it), and a stale copy's call is stopped when its claim is refused.
+                claim = asyncio.ensure_future(self._claim(task))
+                claim.add_done_callback(self._stop_if_refused)
+                try:
+                    outcome = await self._generate(task, msg, claim)
+                    claimed = await claim
+                finally:
+                    claim.cancel()  # a no-op once done
+                if not claimed:
+                    bound.warning("stale attempt: the task was moved on; dropped")
+                    await msg.term()
+                    return
             await self._store_outcome(outcome)
             await msg.ack()
         except Exception as exc:
@@ -499,25 +512,60 @@ class Worker:
             self.failed += 1
             bound.warning("task failed", code=outcome.code, reason=outcome.reason)
 
-    async def _started_stored(self, started: asyncio.Future[Any], event: TaskStarted) -> None:
-        """Wait for the pipelined ``started`` to be stored; publish it again if it was not (a
-        second copy after a lost acknowledgement is what a redelivery would give anyway)."""
-        try:
-            await started
-        except Exception as exc:
-            log.warning("storing the started event failed; publishing it again", error=repr(exc))
-            await publish_event(self.js, event)
-
-    async def _settled(self, task: TaskMessage, msg: Msg, bound: FilteringBoundLogger) -> bool:
-        """Nothing to run: a redelivered task that already ended (acknowledged), or a copy of
-        an attempt the reaper has moved on from (dropped unrun: attempt fencing).
+    async def _claim(self, task: TaskMessage) -> bool:
+        """Store this attempt's ``started``, unless the reaper has moved the task on: False
+        then (attempt fencing), and nothing is stored.
 
         The reaper routes attempt N+1 before it deletes attempt N's copies, so a copy that got
         here first (a worker back from the dead, a ghost queue pulled at last) is recognised.
+        With the attempt's ``routed_seq`` and nats-server 2.11, the fence is the publish
+        itself: stored only while that ``routed`` is the task's last one. Otherwise the
+        task's last ``routed`` is looked up first. A publish that fails is tried once more (a
+        second copy after a lost acknowledgement is what a redelivery would give anyway).
         """
+        event = TaskStarted(
+            at=time.time(),
+            task_id=task.task_id,
+            attempt=task.attempt,
+            worker=self.settings.worker_id,
+            host=self.settings.worker_host,
+        )
+        fence: tuple[str, int] | None = None
+        if task.routed_seq is not None and fences_by_subject(self.nc):
+            fence = (task_event(task.task_id, "routed"), task.routed_seq)
+        elif await self._moved_on(task):
+            return False
+        for tries_left in (1, 0):
+            try:
+                await publish_event(self.js, event, expect_last=fence)
+                return True
+            except Exception as exc:
+                if fence is not None and is_wrong_last_sequence(exc):
+                    if await self._moved_on(task):
+                        return False
+                    fence = None  # its ``routed`` is gone (the log was cut): run what is held
+                    continue
+                if not tries_left:
+                    raise
+                log.warning("storing the started event failed; trying again", error=repr(exc))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _moved_on(self, task: TaskMessage) -> bool:
+        """Does the task's last ``routed`` name a later attempt than this copy's?"""
+        current = await current_attempt(self.js, task.task_id)
+        return current is not None and current > task.attempt
+
+    def _stop_if_refused(self, claim: asyncio.Future[bool]) -> None:
+        """A refused claim stops the backend call at once: the copy is stale."""
+        if _refused(claim) and self._generation is not None:
+            self._generation.cancel()
+
+    async def _settled(self, task: TaskMessage, msg: Msg, bound: FilteringBoundLogger) -> bool:
+        """Nothing to run: a redelivered task that already ended (acknowledged)."""
+        if msg.metadata.num_delivered == 1:
+            return False
         try:
-            ended = msg.metadata.num_delivered > 1 and await self._already_ended(task)
-            current = None if ended else await current_attempt(self.js, task.task_id)
+            ended = await self._already_ended(task)
         except Exception as exc:  # the bus is reconnecting: look again on the redelivery
             bound.warning("task state unknown; returned to the queue", error=repr(exc))
             with suppress(Exception):
@@ -526,17 +574,14 @@ class Worker:
         if ended:
             bound.info("redelivered task had already ended; acknowledging")
             await msg.ack()
-            return True
-        if current is None or current <= task.attempt:
-            return False
-        bound.warning("stale attempt: the task was moved on; dropped unrun", current=current)
-        await msg.term()
-        return True
+        return ended
 
-    async def _generate(self, task: TaskMessage, msg: Msg) -> TaskCompleted | TaskFailed:
-        on_chunk = self._chunk_publisher(task) if task.stream_subject else None
+    async def _generate(
+        self, task: TaskMessage, msg: Msg, claim: asyncio.Future[bool]
+    ) -> TaskCompleted | TaskFailed:
+        on_chunk = self._chunk_publisher(task, claim) if task.stream_subject else None
         started = time.perf_counter()
-        if task.task_id in self._cancels:
+        if task.task_id in self._cancels or _refused(claim):
             return self._cancelled_outcome(task, started)
         try:
             async with KeepAlive(msg, self.settings.ack_wait_s) as alive:
@@ -561,9 +606,11 @@ class Worker:
                     result = await self._generation
         except asyncio.CancelledError:
             this = asyncio.current_task()
-            if (this is not None and this.cancelling()) or task.task_id not in self._cancels:
+            if this is not None and this.cancelling():
                 raise  # the worker itself is stopping
-            return self._cancelled_outcome(task, started)
+            if task.task_id not in self._cancels and not _refused(claim):
+                raise
+            return self._cancelled_outcome(task, started)  # a stale copy's is never stored
         except BackendError as exc:
             return TaskFailed(
                 at=time.time(),
@@ -621,14 +668,19 @@ class Worker:
             log.info("cancelling the running task", task_id=notice.task_id, reason=notice.reason)
             self._generation.cancel()
 
-    def _chunk_publisher(self, task: TaskMessage) -> OnChunk:
+    def _chunk_publisher(self, task: TaskMessage, claim: asyncio.Future[bool]) -> OnChunk:
         """Publish each piece to the task's stream subject (core NATS: a lost chunk is only a
-        gap on the screen; the whole answer is in the outcome event)."""
+        gap on the screen; the whole answer is in the outcome event), once the attempt's claim
+        is stored: a stale copy sends nothing."""
         subject = task.stream_subject or ""
         seq = 0
 
         async def publish(response: str, thinking: str) -> None:
             nonlocal seq
+            if not claim.done():
+                await asyncio.wait([claim])
+            if claim.cancelled() or claim.exception() is not None or not claim.result():
+                return
             seq += 1
             chunk = StreamChunk(task_id=task.task_id, seq=seq, response=response, thinking=thinking)
             await self.nc.publish(subject, _encoder.encode(chunk), headers={CHUNK_HEADER: str(seq)})
