@@ -430,12 +430,10 @@ async def gather(
     if unit_dirs is not None:
         g.units = scan_unit_dirs(unit_dirs)
     try:
-        # Bounded: connect() retries an unreachable server for ever (services ride out outages).
-        nc = await asyncio.wait_for(
-            connect(nats_url, "coordinator-doctor", connect_timeout_s=2.0), timeout=5.0
-        )
+        # Outside a service, connect() gives up at the first failure (Unavailable, naming the URL).
+        nc = await connect(nats_url, "coordinator-doctor", connect_timeout_s=2.0)
     except Exception as exc:
-        g.nats_error = f"cannot connect to {nats_url}: {str(exc) or type(exc).__name__}"
+        g.nats_error = str(exc) or f"cannot reach NATS at {nats_url}: {type(exc).__name__}"
         return g
     try:
         g.server_version = str(nc._server_info.get("version", "?"))

@@ -10,8 +10,10 @@ with the admin user) starts as long as they exist. Only features of nats-server 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ssl
+from contextlib import suppress
 from typing import Any
 
 import nats
@@ -37,7 +39,8 @@ from schemas.subjects import (
     TASKS_SUBJECTS,
     WORKERS_BUCKET,
 )
-from services.runtime.errors import Unavailable
+from services.runtime.errors import ConfigError, Unavailable
+from services.runtime.lifecycle import StopRequested, current_stop
 from services.runtime.settings import DEFAULT_WORKER_TTL_S, NatsAuth, Settings
 from services.runtime.tracing import inject_context
 
@@ -49,22 +52,97 @@ DUPLICATE_WINDOW_S = 120.0
 WRONG_LAST_SEQUENCE = 10071
 
 
+# A service waiting for NATS tries again after 0.5 s, then 1 s, then every 2 s.
+FIRST_CONNECT_RETRY_S = 0.5
+FIRST_CONNECT_RETRY_MAX_S = 2.0
+
+
 async def connect(
-    url: str, name: str, *, connect_timeout_s: float = 5.0, auth: NatsAuth | None = None
+    url: str,
+    name: str,
+    *,
+    connect_timeout_s: float = 5.0,
+    auth: NatsAuth | None = None,
+    stop: asyncio.Event | None = None,
 ) -> Client:
-    """Connect with endless reconnects; connection changes are logged, not printed as tracebacks.
+    """Connect; once connected, reconnect for ever (changes are logged, not printed as tracebacks).
+
+    Until the first connection, a process that runs until stopped (``stop``; by default the
+    stop event `install_stop_signals` installed: a service, ``coordinator up``) tries again and
+    again, logging each failed attempt, and gives up with `StopRequested` when ``stop`` is set.
+    Anything else (a CLI command, a job) gives up with `Unavailable` at the first failed attempt
+    or after ``connect_timeout_s``.
 
     ``auth`` is the service's `Settings.nats_auth`; without it the ``NATS_*`` credential
     variables of this process's environment apply (the CLI and the jobs).
     """
     if auth is None:
         auth = Settings.from_env().nats_auth()
+    if stop is None:
+        stop = current_stop()
+    options = {
+        "servers": [url],
+        "name": name,
+        "connect_timeout": connect_timeout_s,
+        **_auth_options(auth),
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+    }
+    if stop is None:
+        try:
+            return await _connect_once(url, name, options, within_s=connect_timeout_s, stop=None)
+        except _Unreached as exc:
+            raise Unavailable(f"cannot reach NATS at {url}: {exc}") from exc.__cause__
+    attempt = 0
+    while not stop.is_set():
+        attempt += 1
+        try:
+            return await _connect_once(url, name, options, within_s=connect_timeout_s, stop=stop)
+        except _Unreached as exc:
+            if _refused_credentials(exc.__cause__):
+                # The server is up and said no: waiting will not change its mind.
+                raise ConfigError(
+                    f"NATS at {url} refused this service's credentials ({exc}): check "
+                    "NATS_USER/NATS_PASSWORD, NATS_TOKEN or NATS_CREDS"
+                ) from exc.__cause__
+            retry_in_s = min(FIRST_CONNECT_RETRY_S * 2 ** (attempt - 1), FIRST_CONNECT_RETRY_MAX_S)
+            log.warning(
+                "cannot reach NATS; trying again",
+                url=url,
+                error=str(exc),
+                client=name,
+                attempt=attempt,
+                retry_in_s=retry_in_s,
+            )
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), retry_in_s)
+    raise StopRequested(f"stopped before NATS at {url} answered")
+
+
+class _Unreached(Exception):
+    """One attempt at a first connection failed; the message says why."""
+
+
+async def _connect_once(
+    url: str, name: str, options: dict[str, Any], *, within_s: float, stop: asyncio.Event | None
+) -> Client:
+    """The connected client; `_Unreached` at the first failed attempt or after ``within_s``,
+    `StopRequested` when ``stop`` is set first. A client given up on is closed."""
+    nc = Client()
+    failed: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+    connected = False
 
     async def on_error(exc: Exception) -> None:
+        if not connected:
+            if not failed.done():
+                failed.set_result(exc)
+            return
         log.warning("nats error", error=repr(exc), client=name)
 
     async def on_disconnected() -> None:
-        log.warning("nats disconnected", client=name)
+        if connected:
+            log.warning("nats disconnected", client=name)
 
     async def on_reconnected() -> None:
         log.info(
@@ -74,25 +152,61 @@ async def connect(
         )
 
     async def on_closed() -> None:
-        log.info("nats connection closed", client=name)
+        if connected:
+            log.info("nats connection closed", client=name)
 
-    try:
-        nc = await nats.connect(
-            servers=[url],
-            name=name,
-            connect_timeout=connect_timeout_s,
-            **_auth_options(auth),
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            **options,
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
             closed_cb=on_closed,
         )
-    except Exception as exc:
-        raise Unavailable(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from exc
-    return nc
+    )
+    stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    waits: set[asyncio.Future[Any]] = {connecting, failed}
+    if stopping is not None:
+        waits.add(stopping)
+    try:
+        await asyncio.wait(waits, timeout=within_s, return_when=asyncio.FIRST_COMPLETED)
+        if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
+            connected = True
+            return nc
+    finally:
+        if stopping is not None:
+            stopping.cancel()
+        if not connected:
+            connecting.cancel()
+            await asyncio.wait({connecting})
+            await nc.close()
+    error = None if connecting.cancelled() else connecting.exception()
+    if stopping is not None and stopping.done() and not stopping.cancelled():
+        raise StopRequested(f"stopped before NATS at {url} answered")
+    if failed.done():
+        error = failed.result()
+    if error is None:
+        raise _Unreached(f"no answer within {within_s:g} s")
+    raise _Unreached(_why(error, within_s)) from error
+
+
+def _refused_credentials(exc: BaseException | None) -> bool:
+    """Did the server turn the credentials down? (During the handshake nats.py reports it
+    as a plain error carrying the server's words.)"""
+    return isinstance(exc, nats.errors.AuthorizationError) or (
+        exc is not None and "authorization violation" in str(exc).lower()
+    )
+
+
+def _why(exc: BaseException, timeout_s: float) -> str:
+    """A failed connection attempt, in a few words."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout_s:g} s"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror[:1].lower() + exc.strerror[1:]
+    return str(exc) or type(exc).__name__
 
 
 def _auth_options(auth: NatsAuth) -> dict[str, Any]:

@@ -5,18 +5,39 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
+from contextvars import ContextVar
 from typing import Any
 
 import structlog
 
+from services.runtime.errors import CoordinatorError
+
 log = structlog.get_logger("lifecycle")
+
+_stop_event: ContextVar[asyncio.Event | None] = ContextVar("stop_event", default=None)
+
+
+class StopRequested(CoordinatorError):
+    """The process was told to stop before it was ready (say, while it waited for NATS)."""
+
+    code = "stopped"
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:
-    """Make SIGINT and SIGTERM set ``stop`` instead of killing the process mid-task."""
+    """Make SIGINT and SIGTERM set ``stop`` instead of killing the process mid-task.
+
+    ``stop`` is also this task's `current_stop` (and that of the tasks it starts).
+    """
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, _on_signal, stop, sig)
+    _stop_event.set(stop)
+
+
+def current_stop() -> asyncio.Event | None:
+    """The stop event of a process that runs until stopped (a service, ``coordinator up``);
+    None in a one-shot command."""
+    return _stop_event.get()
 
 
 def _on_signal(stop: asyncio.Event, sig: signal.Signals) -> None:
@@ -25,12 +46,18 @@ def _on_signal(stop: asyncio.Event, sig: signal.Signals) -> None:
 
 
 def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``main(stop)`` in a fresh event loop with the stop signals installed."""
+    """Run ``main(stop)`` in a fresh event loop with the stop signals installed.
+
+    A `StopRequested` (stopped before it was ready) ends it as a stop does: normally.
+    """
 
     async def runner() -> None:
         stop = asyncio.Event()
         install_stop_signals(stop)
-        await main(stop)
+        try:
+            await main(stop)
+        except StopRequested as exc:
+            log.info("stopped before start", reason=exc.message)
 
     asyncio.run(runner())
 

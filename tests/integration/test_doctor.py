@@ -150,4 +150,4 @@ async def test_health_says_whether_each_role_is_up(
     )
     assert "not registered" in await check_health("worker", {**worker, "WORKER_ID": "cpu9"})
     down = await check_health("stats", {"NATS_URL": f"nats://127.0.0.1:{free_port()}"})
-    assert down.startswith("NATS at")
+    assert down.startswith("cannot reach NATS at")

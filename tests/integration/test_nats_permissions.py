@@ -5,6 +5,7 @@ another worker's queue nor read the statistics' events."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ from services.runtime.errors import Unavailable
 from services.runtime.settings import NatsAuth, ReaperSettings, StatsSettings
 from services.stats.service import run as run_stats
 from tests.fakes.ollama import FakeOllama
-from tests.harness import ServiceRunner, eventually, request
+from tests.harness import COORDINATOR, ServiceRunner, clean_env, eventually, request
 from tests.servers import NatsServer
 
 USERS = [
@@ -271,3 +272,15 @@ async def test_services_look_streams_up_and_only_setup_makes_or_changes_them(
         assert info.config.allow_direct
     finally:
         await worker.close()
+
+
+def test_a_service_with_wrong_credentials_stops_at_once_saying_so(secured: NatsServer) -> None:
+    """The server is up and refuses the user: waiting for it would never end, so the service
+    exits with a configuration error naming the variables to check."""
+    env = clean_env(NATS_URL=secured.url, NATS_USER="router", NATS_PASSWORD="not-the-password")
+    done = subprocess.run(
+        [COORDINATOR, "router"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "refused this service's credentials" in done.stdout + done.stderr
+    assert "NATS_USER/NATS_PASSWORD" in done.stdout + done.stderr
