@@ -15,10 +15,11 @@ from contextlib import suppress
 
 import msgspec
 import structlog
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import APIError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from schemas.workers import WorkerRecord, worker_record_decoder
+from services.runtime.bus import is_wrong_last_sequence
 from services.runtime.errors import CoordinatorError
 
 log = structlog.get_logger("lease")
@@ -123,8 +124,20 @@ class Lease:
                 log.warning("heartbeat failed", worker_id=self.worker_id, error=repr(exc))
 
     async def release(self) -> None:
-        """Delete the entry if this process still holds it."""
+        """Delete the entry if this process still holds it.
+
+        A heartbeat cancelled in flight may have been stored without this process learning its
+        revision: then the entry is read again, and deleted if it is still this instance's.
+        """
         if self.lost.is_set() or self.revision is None:
             return
         with suppress(Exception):
-            await self.kv.delete(self.worker_id, last=self.revision)
+            try:
+                await self.kv.delete(self.worker_id, last=self.revision)
+            except APIError as exc:
+                if not is_wrong_last_sequence(exc):
+                    raise
+                entry = await self.kv.get(self.worker_id)
+                holder = worker_record_decoder.decode(entry.value or b"")
+                if holder.instance_id == self.record().instance_id:
+                    await self.kv.delete(self.worker_id, last=entry.revision)
