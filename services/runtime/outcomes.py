@@ -127,15 +127,17 @@ class KeepAlive:
 
     ``in_progress()`` goes out at most every ``ack_wait_s / 3``: on `progress` (call it as
     output arrives) and, while the work is silent (loading a model, waiting for a slow
-    server), from a background loop. A failed ``in_progress()`` (the bus is reconnecting) is
-    logged, never raised into the work. Use as ``async with KeepAlive(msg, ack_wait_s) as alive``.
+    server), from a timer. A failed ``in_progress()`` (the bus is reconnecting) is logged,
+    never raised into the work. Use as ``async with KeepAlive(msg, ack_wait_s) as alive``.
+    A timer, not a task: most work ends long before the first beat, and then costs nothing.
     """
 
     def __init__(self, msg: Msg, ack_wait_s: float) -> None:
         self.msg = msg
         self.interval_s = ack_wait_s / 3
         self._last = time.monotonic()
-        self._loop: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._beating: asyncio.Task[None] | None = None
 
     async def progress(self) -> None:
         """Signal life if the last signal is older than the interval."""
@@ -147,14 +149,16 @@ class KeepAlive:
         except Exception as exc:
             log.warning("in_progress failed", subject=self.msg.subject, error=repr(exc))
 
-    async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.progress()
+    def _schedule(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self.interval_s, self._beat)
+
+    def _beat(self) -> None:
+        self._beating = asyncio.create_task(self.progress())
+        self._schedule()
 
     async def __aenter__(self) -> Self:
         self._last = time.monotonic()
-        self._loop = asyncio.create_task(self._beat())
+        self._schedule()
         return self
 
     async def __aexit__(
@@ -163,7 +167,9 @@ class KeepAlive:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._loop is not None:
-            self._loop.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._beating is not None and not self._beating.done():
+            self._beating.cancel()
             with suppress(asyncio.CancelledError):
-                await self._loop
+                await self._beating

@@ -17,7 +17,6 @@ from collections import OrderedDict
 from contextlib import suppress
 
 import msgspec
-import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -61,6 +60,7 @@ from services.runtime.bus import (
 from services.runtime.errors import BackendError, BackendUnavailable, Cancelled, ConfigError
 from services.runtime.lease import Lease, LeaseLost
 from services.runtime.outcomes import KeepAlive, current_attempt, store_outcome, stored_outcome
+from services.runtime.pull import pull_one
 from services.runtime.settings import WorkerSettings
 from services.runtime.tracing import extract_context
 from services.worker.backends import Backend, Generation, OnChunk
@@ -86,9 +86,6 @@ SHARED_MAX_ACK_PENDING = 1_000
 # routed to this worker waits at most this long while the worker looks at the shared queue).
 OWN_POLL_S = 1.0
 SHARED_POLL_S = 0.2
-# A no-wait pull is answered at once; this only bounds a lost answer.
-NO_WAIT_TIMEOUT_S = 2.0
-_NO_WAIT_PULL = b'{"batch":1,"no_wait":true}'
 # Cancel notices kept for tasks this worker may take later (queued ones); oldest forgotten first.
 CANCEL_MEMORY = 1024
 
@@ -118,6 +115,7 @@ class Worker:
         self.aliases = AliasFollower(self.js)
         self.started_at = time.time()
         self.current_task: str | None = None
+        self._running: asyncio.Task[bool] | None = None  # the task `_stop_watch` may cancel
         self.current_model: str | None = None
         self.completed = 0
         self.failed = 0
@@ -353,55 +351,31 @@ class Worker:
         usual = [(sub, OWN_POLL_S)] + ([(shared, SHARED_POLL_S)] if shared else [])
         after_task = [(sub, 0.0), (shared, 0.0), *usual] if shared else usual
         sources = usual
-        while not (stop.is_set() or lost.is_set() or self.asleep.is_set()):
-            sources_now, sources = sources, usual
-            for source, poll_s in sources_now:
-                msg = await self._fetch_one(source, poll_s)
-                if msg is not None:
-                    if source is shared and not await self._serves(msg):
-                        continue
-                    await self._run_guarded(msg, stop)
-                    sources = after_task
-                    break
+        watch = asyncio.create_task(self._stop_watch(stop))
+        try:
+            while not (stop.is_set() or lost.is_set() or self.asleep.is_set()):
+                sources_now, sources = sources, usual
+                for source, poll_s in sources_now:
+                    msg = await self._fetch_one(source, poll_s)
+                    if msg is not None:
+                        if source is shared and not await self._serves(msg):
+                            continue
+                        await self._run_guarded(msg, stop)
+                        sources = after_task
+                        break
+        finally:
+            watch.cancel()
 
     async def _fetch_one(
         self, source: JetStreamContext.PullSubscription, poll_s: float
     ) -> Msg | None:
         """The source's next message, waiting up to ``poll_s`` (0: only one already there)."""
         try:
-            if poll_s == 0:
-                return await self._fetch_ready(source)
-            msgs = await source.fetch(1, timeout=poll_s)
-        except (nats.errors.TimeoutError, TimeoutError):
-            return None
+            return await pull_one(source, poll_s)
         except Exception as exc:
             log.warning("fetch failed", error=repr(exc))
             await asyncio.sleep(0.5)
             return None
-        return msgs[0] if msgs else None
-
-    async def _fetch_ready(self, source: JetStreamContext.PullSubscription) -> Msg | None:
-        """The source's next message if one is there, without holding a pull request open.
-
-        nats.py's ``fetch`` always waits; this is its ``_fetch_one`` with ``no_wait`` (the
-        server answers at once: the message, or a "404 No Messages" status), on the
-        subscription's own inbox, so a message that arrived after an earlier fetch gave up is
-        taken first, and a late answer is found by the next fetch. (nats-py 2.16.0 internals.)
-        """
-        sub = source._sub
-        while not sub._pending_queue.empty():
-            msg = sub._pending_queue.get_nowait()
-            sub._pending_size -= len(msg.data)
-            if not JetStreamContext.is_status_msg(msg):
-                return msg
-        await self.nc.publish(source._nms, _NO_WAIT_PULL, reply=source._deliver)
-        while True:
-            msg = await sub.next_msg(timeout=NO_WAIT_TIMEOUT_S)
-            status = JetStreamContext.is_status_msg(msg)
-            if not status:
-                return msg
-            if status != "100":  # 100 is a heartbeat; anything else ends this pull
-                return None
 
     async def _serves(self, msg: Msg) -> bool:
         """A shared task for a model this worker lacks goes back for another worker."""
@@ -416,29 +390,50 @@ class Worker:
         return False
 
     async def _run_guarded(self, msg: Msg, stop: asyncio.Event) -> None:
-        """Run one task; on stop, give it ``stop_grace_s`` and then return it to the queue."""
-        work = asyncio.create_task(self._handle_traced(msg))
-        stopping = asyncio.create_task(stop.wait())
-        try:
-            await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                done, _ = await asyncio.wait({work}, timeout=self.settings.stop_grace_s)
-                if not done:
-                    log.warning(
-                        "stopping: returning the current task to its queue",
-                        task_id=self.current_task,
-                    )
-                    work.cancel()
-                    with suppress(asyncio.CancelledError):
-                        await work
-                    with suppress(Exception):
-                        await msg.nak()
-                    return
-            await work
-        finally:
-            stopping.cancel()
+        """Run one task; on stop, `_stop_watch` gives it ``stop_grace_s`` and then cancels it,
+        and its message goes back to the queue.
 
-    async def _handle_traced(self, msg: Msg) -> None:
+        The message is acked here once `handle` has stored the outcome: the serve loop's next
+        pull then leaves in the same write as the ack. A message that arrives once ``stop`` is
+        set goes back at once.
+        """
+        if stop.is_set():
+            with suppress(Exception):
+                await msg.nak()
+            return
+        work = asyncio.create_task(self._handle_traced(msg))
+        self._running = work
+        try:
+            stored = await work
+        except asyncio.CancelledError:
+            this = asyncio.current_task()
+            if not work.cancelled() or (this is not None and this.cancelling()):
+                raise
+            with suppress(Exception):  # stopped by `_stop_watch`
+                await msg.nak()
+            return
+        finally:
+            self._running = None
+        if stored:
+            try:
+                await msg.ack()
+            except Exception as exc:  # stored already: a redelivery is recognised and acked
+                log.warning("ack failed after the outcome was stored", error=repr(exc))
+
+    async def _stop_watch(self, stop: asyncio.Event) -> None:
+        """Once ``stop`` is set, give the running task ``stop_grace_s``, then cancel it."""
+        await stop.wait()
+        work = self._running
+        if work is None:
+            return
+        done, _ = await asyncio.wait({work}, timeout=self.settings.stop_grace_s)
+        if not done:
+            log.warning(
+                "stopping: returning the current task to its queue", task_id=self.current_task
+            )
+            work.cancel()
+
+    async def _handle_traced(self, msg: Msg) -> bool:
         """`handle` in a ``run task`` span continuing the router's trace (``traceparent``)."""
         with tracer.start_as_current_span(
             "run task",
@@ -446,16 +441,18 @@ class Worker:
             kind=trace.SpanKind.CONSUMER,
             attributes={"messaging.destination.name": msg.subject},
         ):
-            await self.handle(msg)
+            return await self.handle(msg)
 
-    async def handle(self, msg: Msg) -> None:
-        """Run one task message to an outcome event, then acknowledge it."""
+    async def handle(self, msg: Msg) -> bool:
+        """Run one task message to a stored outcome event: True, and the caller acknowledges
+        the message. False when this settled the message already (acked, terminated or
+        returned to the queue)."""
         try:
             task = _task_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
             log.error("dropping undecodable task message", subject=msg.subject, error=str(exc))
             await msg.term()
-            return
+            return False
         bound = log.bind(
             task_id=task.task_id,
             attempt=task.attempt,
@@ -463,7 +460,7 @@ class Worker:
             stream_seq=msg.metadata.sequence.stream,
         )
         if await self._settled(task, msg, bound):
-            return
+            return False
         self.current_task = task.task_id
         self.current_model = task.model
         outcome: TaskCompleted | TaskFailed
@@ -473,7 +470,7 @@ class Worker:
                 if await self._moved_on(task):
                     bound.warning("stale attempt: the task was moved on; dropped unrun")
                     await msg.term()
-                    return
+                    return False
                 outcome = self._cancelled_outcome(task, None)
             else:
                 # The claim (`started`, fenced) and the backend call go out together: the
@@ -490,15 +487,14 @@ class Worker:
                 if not claimed:
                     bound.warning("stale attempt: the task was moved on; dropped")
                     await msg.term()
-                    return
+                    return False
             await self._store_outcome(outcome)
-            await msg.ack()
         except Exception as exc:
             # The outcome could not be stored: return the task so it is not lost.
             bound.error("task not finished; returned to the queue", error=repr(exc))
             with suppress(Exception):
                 await msg.nak(delay=1)
-            return
+            return False
         finally:
             self.current_task = None
             self.last_activity = time.time()
@@ -511,6 +507,7 @@ class Worker:
         else:
             self.failed += 1
             bound.warning("task failed", code=outcome.code, reason=outcome.reason)
+        return True
 
     async def _claim(self, task: TaskMessage) -> bool:
         """Store this attempt's ``started``, unless the reaper has moved the task on: False
