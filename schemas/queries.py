@@ -53,6 +53,8 @@ class WorkerView(Wire, frozen=True, kw_only=True):
 
 class WorkersReply(Wire, frozen=True, kw_only=True):
     workers: list[WorkerView]
+    aliases: dict[str, str] = msgspec.field(default_factory=dict)
+    """The model aliases in force, each to the canonical name a request for it is routed as."""
 
 
 __all__ = ["TaskQuery", "TaskStatus", "TaskType", "TaskView", "WorkerView", "WorkersReply"]

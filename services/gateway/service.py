@@ -183,7 +183,7 @@ class Gateway:
         """``POST /api/show``: a model a live worker serves, in Ollama's shape."""
         try:
             asked = convert.ollama_model_request(await _read(request), "show")
-            serving = convert.workers_serving(asked.model, await self._workers())
+            serving = await self._serving(asked.model)
         except ApiError as exc:
             return self._error(OllamaShape(model="", chat=False), exc)
         return web.Response(body=convert.ollama_show(asked.model, serving), content_type=JSON)
@@ -193,7 +193,7 @@ class Gateway:
         at once, any other a 404 that says so."""
         try:
             asked = convert.ollama_model_request(await _read(request), "pull")
-            convert.workers_serving(asked.model, await self._workers(), pull=True)
+            await self._serving(asked.model, pull=True)
         except ApiError as exc:
             return self._error(OllamaShape(model="", chat=False), exc)
         return web.Response(
@@ -204,7 +204,7 @@ class Gateway:
     async def _preload(self, request: web.Request, preload: Preload) -> web.Response:
         """A load (or unload) of a served model: answered at once. Workers keep their models
         loaded as their own Ollama decides; nothing is loaded or unloaded here."""
-        convert.workers_serving(preload.model, await self._workers())
+        await self._serving(preload.model)
         log.info(
             "request",
             path=request.path,
@@ -425,7 +425,15 @@ class Gateway:
         return reply.data
 
     async def _workers(self) -> list[WorkerView]:
-        return _workers_decoder.decode(await self._call(WORKERS, b"{}", QUERY_TIMEOUT_S)).workers
+        return (await self._fleet()).workers
+
+    async def _fleet(self) -> WorkersReply:
+        return _workers_decoder.decode(await self._call(WORKERS, b"{}", QUERY_TIMEOUT_S))
+
+    async def _serving(self, model: str, *, pull: bool = False) -> list[WorkerView]:
+        """The live workers serving ``model``, an alias followed as the router follows it."""
+        fleet = await self._fleet()
+        return convert.workers_serving(fleet.aliases.get(model, model), fleet.workers, pull=pull)
 
     async def _fleet_has_workers(self) -> bool:
         """Is any inference worker live? (Then an unserved model is unknown, not unserved.)"""

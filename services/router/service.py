@@ -321,7 +321,8 @@ class Router:
                 key=lambda r: r.worker_id,
             )
         ]
-        return encoder.encode(WorkersReply(workers=workers))
+        aliases = {alias: self.aliases.canonical(alias) for alias in self.aliases.aliases}
+        return encoder.encode(WorkersReply(workers=workers, aliases=aliases))
 
     async def handle_route(self, body: bytes) -> bytes:
         asked = parse_route_request(body, self.settings.max_prompt_chars)

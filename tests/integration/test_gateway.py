@@ -4,6 +4,7 @@ nats-server, the router, workers and the Ollama stand-in."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,9 @@ import openai
 import pytest
 from nats.aio.client import Client
 
+from schemas.events import AliasSet
 from services.gateway.service import run as run_gateway
+from services.runtime.bus import publish_event
 from services.runtime.settings import GatewaySettings
 from tests.fakes.ollama import FakeOllama
 from tests.harness import ServiceRunner, eventually, request, workers_live
@@ -165,6 +168,28 @@ async def test_show_describes_a_served_model_and_404s_others(
     assert (unknown.value.status_code, unknown.value.error) == (404, "model 'nope:1b' not found")
     assert legacy.status_code == 200 and legacy.json()["workers"] == ["cpu-1"]
     assert nameless.status_code == 400 and nameless.json() == {"error": "model is required"}
+
+
+async def test_show_pull_and_preload_follow_an_alias_as_the_router_does(
+    stack: Stack, nc: Client, oc: ollama.AsyncClient
+) -> None:
+    """``ollama run <alias>`` shows, preloads and chats with the alias's name."""
+    await publish_event(nc.jetstream(), AliasSet(at=time.time(), alias="house:1b", canonical=PLAIN))
+
+    async def known() -> bool:
+        reply, _ = await request(nc, "coordinator.workers", {})
+        return bool(reply.get("aliases", {}).get("house:1b") == PLAIN)
+
+    await eventually(known, timeout_s=5)
+    shown = await oc.show("house:1b")
+    pulled = await oc.pull("house:1b")
+    loaded = await oc.generate(model="house:1b", prompt="")
+    answer = await oc.generate(model="house:1b", prompt="1+1")
+
+    assert shown.modelfile and "FROM house:1b" in shown.modelfile
+    assert pulled.status == "success"
+    assert loaded.done_reason == "load"
+    assert answer.response == "2"
 
 
 async def test_pull_of_a_served_model_succeeds_and_of_others_says_the_gateway_cannot_pull(
