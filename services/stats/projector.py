@@ -238,13 +238,13 @@ async def project(
     items: Sequence[tuple[int, AnyEvent]],
     *,
     lock_tasks: bool = True,
-    refresh: bool = True,
 ) -> Projected:
     """Apply ``items`` (stream position, event) in order, each position at most once.
 
     Runs in the caller's transaction. ``lock_tasks`` takes an advisory lock per task (live
-    projection, where several writers may run); ``refresh`` recomputes the touched figures
-    (a rebuild recomputes all of them at the end instead).
+    projection, where several writers may run). The figures of the keys it touched
+    (``touched``) are left to `refresh_figures`: the live projection recomputes them at most
+    once a second, a rebuild all of them at the end.
     """
     result = Projected()
     if not items:
@@ -281,8 +281,6 @@ async def project(
             await batch.flush()
             await _apply_other(batch, seq, event)
     await batch.flush()
-    if refresh and result.touched:
-        await refresh_figures(conn, result.touched)
     return result
 
 

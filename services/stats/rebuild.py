@@ -259,7 +259,7 @@ async def _apply(conn: Connection, batch: list[tuple[int, AnyEvent]]) -> int:
     try:
         with database_errors(writing=True):
             async with conn.transaction():
-                return (await project(conn, batch, lock_tasks=False, refresh=False)).applied
+                return (await project(conn, batch, lock_tasks=False)).applied
     except Unstorable:
         pass
     applied = 0
@@ -267,7 +267,7 @@ async def _apply(conn: Connection, batch: list[tuple[int, AnyEvent]]) -> int:
         try:
             with database_errors(writing=True):
                 async with conn.transaction():
-                    projected = await project(conn, [item], lock_tasks=False, refresh=False)
+                    projected = await project(conn, [item], lock_tasks=False)
             applied += projected.applied
         except Unstorable as exc:
             log.error("event cannot be stored; skipped", stream_seq=item[0], error=exc.message)

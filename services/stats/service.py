@@ -15,9 +15,10 @@ Endpoints (bodies in ``schemas/stats.py``): ``coordinator.task``, ``coordinator.
 events and the reply comes once they are projected, so a ``coordinator stats`` right after
 shows their effect.
 
-The figures of the keys each batch touched go to the KV bucket at most once a second per key
-(`PUBLISH_INTERVAL_S`); at start and after a rebuild the whole bucket is brought in line with
-the ``figures`` table (stale keys deleted).
+The figures of the keys each batch touched are recomputed, and go to the KV bucket, at most
+once a second per key (`PUBLISH_INTERVAL_S`), and before a ``coordinator.stats`` answer; at
+start every figure is recomputed, and at start and after a rebuild the whole bucket is brought
+in line with the ``figures`` table (stale keys deleted).
 """
 
 from __future__ import annotations
@@ -226,6 +227,8 @@ class StatsService:
         # Held while a batch is applied; a rebuild holds it from its catch-up to the swap.
         self._batch_lock = asyncio.Lock()
         self._rebuilding = False
+        # Keys whose figure rows are behind their facts, and keys to put to KV.
+        self._stale: set[FigureKey] = set()
         self._dirty: set[FigureKey] = set()
         self._full_sync = True
         self._publish_now = asyncio.Event()
@@ -236,6 +239,8 @@ class StatsService:
         await ensure_streams(self.js)
         self._kv = await ensure_bucket(self.js, STATS_BUCKET, ttl_s=None)
         await self._ensure_consumer()
+        # A stop (or crash) can leave figures behind their facts: bring them all in line.
+        await self.store.refresh_figures()
         self._sub = await self.js.pull_subscribe_bind(durable=CONSUMER, stream=EVENTS_STREAM)
         self._loop = asyncio.create_task(self._project(), name="stats-projection")
         self._publisher = asyncio.create_task(self._publish_figures(), name="stats-figures")
@@ -454,7 +459,20 @@ class StatsService:
     # -- routing figures in KV ---------------------------------------------------------------
 
     def _note_touched(self, keys: set[FigureKey]) -> None:
-        self._dirty.update(keys)
+        self._stale.update(keys)
+
+    async def _refresh_stale(self) -> None:
+        """Recompute the figure rows the batches since the last time touched (then to KV)."""
+        async with self._batch_lock:
+            keys, self._stale = self._stale, set()
+            if not keys:
+                return
+            try:
+                await self.store.refresh_figures(keys)
+            except BaseException:
+                self._stale |= keys
+                raise
+        self._dirty |= keys
 
     async def _publish_figures(self) -> None:
         """Every `PUBLISH_INTERVAL_S`, put the figures of the keys touched since to KV."""
@@ -469,6 +487,10 @@ class StatsService:
     async def publish_figures(self) -> None:
         """Put the dirty keys' figures (all of them after start or a rebuild) to KV now."""
         assert self._kv is not None
+        try:
+            await self._refresh_stale()
+        except Exception as exc:
+            log.warning("refreshing figures failed; will retry", error=repr(exc))
         full, self._full_sync = self._full_sync, False
         keys, self._dirty = self._dirty, set()
         if not full and not keys:
@@ -511,6 +533,7 @@ class StatsService:
     async def handle_stats(self, body: bytes) -> bytes:
         """``coordinator.stats``: the figures, exclusions left out, aliases applied."""
         query = decode_request(body, StatsQuery, "stats query")
+        await self._refresh_stale()  # what is projected shows, not what was a second ago
         figures = await self.store.figures(query)
         active = len(await self.store.exclusions())
         return encoder.encode(StatsReply(figures=figures, active_exclusions=active))

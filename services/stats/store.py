@@ -40,6 +40,7 @@ from services.stats.projector import (
     Projected,
     load_aliases,
     project,
+    refresh_figures,
     state_from_row,
 )
 
@@ -142,7 +143,16 @@ class Store:
                 # Shared: live batches run side by side; a rebuild's swap waits for them and
                 # holds them off (rebuild.py).
                 await conn.execute("SELECT pg_advisory_xact_lock_shared($1)", PROJECTION_LOCK)
+                # Figures are recomputed apart (`refresh_figures`): a percentile over a key's
+                # whole history in every batch made a batch slower the longer the log grew.
                 return await project(conn, items)
+
+    async def refresh_figures(self, keys: set[FigureKey] | None = None) -> None:
+        """Recompute the figure rows of ``keys`` (all of them when None) from the facts."""
+        with database_errors(writing=True):
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock_shared($1)", PROJECTION_LOCK)
+                await refresh_figures(conn, keys)
 
     # -- reads ---------------------------------------------------------------------------------
 

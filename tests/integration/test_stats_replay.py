@@ -222,6 +222,7 @@ async def test_a_rebuild_gives_the_tables_the_live_projection_built(
             )
             last = await publish_tasks(js, tasks[20:])
             await eventually(lambda: all_acked(js, last), what="the log to be projected")
+            await figures(nc)  # a stats query brings the figures up to what is projected
             live = await read_model(pg_dsn)
             await rebuild(nc)
             rebuilt = await read_model(pg_dsn)
@@ -269,6 +270,7 @@ async def test_events_arriving_during_a_rebuild_are_applied_exactly_once(
 
             rebuilt, last = await asyncio.gather(rebuild(nc), keep_publishing_and_asking())
             await eventually(lambda: all_acked(js, last), what="the late events to be projected")
+            await figures(nc)  # a stats query brings the figures up to what is projected
             live = await read_model(pg_dsn)
             await rebuild(nc)
             again = await read_model(pg_dsn)
@@ -456,3 +458,28 @@ async def test_a_rebuild_swaps_every_table_the_schema_creates(pg_dsn: str) -> No
             await conn.close()
 
     assert {t["tablename"] for t in tables} == set(PROJECTION_TABLES)
+
+
+async def test_figures_left_behind_their_facts_are_brought_in_line_at_start(
+    nats_server: NatsServer, pg_dsn: str
+) -> None:
+    """Figures are recomputed apart from the batches; a stop in between must not leave them
+    stale for good."""
+    tasks = [task(f"t-{i}", worker="mac", at=T0 + i, total_ms=900 + i) for i in range(5)]
+    async with bus(nats_server.url) as (nc, js):
+        last = await publish_tasks(js, tasks)
+        async with running_stats(nc, settings_for(nats_server, pg_dsn)):
+            await eventually(lambda: all_acked(js, last), what="the log to be projected")
+            shown = await figures(nc)
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute("DELETE FROM figures")  # as if stopped before a refresh
+        finally:
+            await conn.close()
+        async with running_stats(nc, settings_for(nats_server, pg_dsn)):
+            restored = (await read_model(pg_dsn))["figures"]
+
+    assert [(f["model"], f["worker"], f["count"]) for f in restored] == [
+        (model, worker, figure["count"]) for (model, _, worker), figure in shown.items()
+    ]
+    assert restored[0]["count"] == 5
