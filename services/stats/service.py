@@ -227,8 +227,10 @@ class StatsService:
         # Held while a batch is applied; a rebuild holds it from its catch-up to the swap.
         self._batch_lock = asyncio.Lock()
         self._rebuilding = False
-        # Keys whose figure rows are behind their facts, and keys to put to KV.
+        # Keys whose figure rows are behind their facts, and keys to put to KV. Batches do not
+        # write figure rows, so a refresh runs beside them, one refresh at a time.
         self._stale: set[FigureKey] = set()
+        self._refresh_lock = asyncio.Lock()
         self._dirty: set[FigureKey] = set()
         self._full_sync = True
         self._publish_now = asyncio.Event()
@@ -463,7 +465,7 @@ class StatsService:
 
     async def _refresh_stale(self) -> None:
         """Recompute the figure rows the batches since the last time touched (then to KV)."""
-        async with self._batch_lock:
+        async with self._refresh_lock:
             keys, self._stale = self._stale, set()
             if not keys:
                 return
