@@ -532,7 +532,8 @@ class Worker:
             fence = (task_event(task.task_id, "routed"), task.routed_seq)
         elif await self._moved_on(task):
             return False
-        for tries_left in (1, 0):
+        failures = 0
+        while True:
             try:
                 await publish_event(self.js, event, expect_last=fence)
                 return True
@@ -542,10 +543,10 @@ class Worker:
                         return False
                     fence = None  # its ``routed`` is gone (the log was cut): run what is held
                     continue
-                if not tries_left:
+                failures += 1
+                if failures > 1:
                     raise
                 log.warning("storing the started event failed; trying again", error=repr(exc))
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _moved_on(self, task: TaskMessage) -> bool:
         """Does the task's last ``routed`` name a later attempt than this copy's?"""

@@ -436,6 +436,37 @@ async def test_a_worker_drops_a_copy_of_an_attempt_that_was_moved_on_and_stops_i
     await eventually(settled, timeout_s=5)
 
 
+async def test_a_copy_whose_routed_seq_is_off_but_whose_attempt_is_current_runs(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """A refused fence is checked against the task's last ``routed`` before the copy is
+    dropped: when that still names this attempt (its sequence changed, say the log was cut and
+    the event stored again), the copy runs."""
+    js = nc.jetstream()
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-a")
+    await workers_live(nc, 1)
+    now = time.time()
+    ack = await publish_event(
+        js, TaskRouted(at=now, task_id="t-2", attempt=1, worker="cpu-a", queue="q")
+    )
+    async with TaskEvents(nc) as events:
+        message = TaskMessage(
+            task_id="t-2",
+            attempt=1,
+            model=MODEL,
+            prompt="1+1",
+            timeout_s=10,
+            submitted_at=now,
+            routed_seq=ack.seq + 1000,
+        )
+        await js.publish("tasks.cpu.cpu-a", msgspec.json.encode(message))
+        done = await events.first("completed")
+
+    assert isinstance(done, TaskCompleted) and done.response == "2"
+    assert [kind_of(e) for e in events.events] == ["started", "completed"]
+
+
 async def test_the_route_reply_is_the_current_attempts_outcome_not_a_late_older_one(
     nats_server: NatsServer, nc: Client, runner: ServiceRunner
 ) -> None:
