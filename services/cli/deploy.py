@@ -68,7 +68,11 @@ SERVICE_ROLES: Final[dict[str, tuple[str, ...]]] = {
     "web-search": ("web-search",),
     "worker": ("worker",),
 }
-MICRO_SERVICES: Final = {"router": "coordinator-router", "stats": "coordinator-stats"}
+MICRO_SERVICES: Final = {
+    "router": "coordinator-router",
+    "stats": "coordinator-stats",
+    "reaper": REAPER_SERVICE,
+}
 # Roles with one process per WORKER_ID: a systemd template unit whose instance is the id.
 PER_WORKER: Final = frozenset({"worker", "web-search"})
 
@@ -270,6 +274,7 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 "events.worker.>",
                 *_KV_WATCH,
                 *_ALIASES,
+                f"$SRV.PING.{REAPER_SERVICE}",  # its health check
                 _INBOX,
             ],
             subscribe=[_INBOX, *_MICRO, REAPER_STATUS, "events.task.>", "events.worker.>"],

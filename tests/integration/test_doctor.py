@@ -19,7 +19,7 @@ from services.cli.doctor import run_doctor
 from services.runtime.settings import WorkerSettings
 from services.worker.service import run as run_worker
 from tests.fakes.ollama import FakeOllama
-from tests.harness import ServiceRunner, clean_env, run_cli, workers_live
+from tests.harness import ServiceRunner, clean_env, eventually, run_cli, workers_live
 from tests.servers import NatsServer, free_port
 
 
@@ -132,6 +132,10 @@ async def test_a_ghost_queue_a_stale_entry_and_a_dead_backend_fail_the_doctor_by
     assert lines["skipped postgresql"]
 
 
+async def reaper_healthy(env: dict[str, str]) -> bool:
+    return await check_health("reaper", env) == ""
+
+
 async def test_health_says_whether_each_role_is_up(
     nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
 ) -> None:
@@ -142,7 +146,9 @@ async def test_health_says_whether_each_role_is_up(
     await workers_live(nc, 1)
 
     assert await check_health("router", env) == ""
-    assert await check_health("reaper", env) == ""  # NATS and TASKS answer its user
+    assert "coordinator-reaper does not answer PING" in await check_health("reaper", env)
+    runner.reaper(nats_server.url)
+    await eventually(lambda: reaper_healthy(env), timeout_s=10)
     worker = {**env, "WORKER_ID": "cpu1", "WORKER_HOST": "host-cpu1"}
     assert await check_health("worker", worker) == ""
     assert "runs on host-cpu1, not here" in await check_health(

@@ -24,6 +24,7 @@ from services.cli.deploy import (
     EXAMPLE_WEB_WORKERS,
     EXAMPLE_WORKERS,
     NATS_ROLES,
+    check_health,
     nats_user,
     password_variable,
     setup_streams,
@@ -153,6 +154,15 @@ async def test_each_service_does_its_work_under_its_own_user(
                 return body if body.get("status") == "done" else None
 
             await eventually(projected, timeout_s=10.0)
+            # Each health check runs under its role's own user.
+            for role in ("router", "stats", "reaper"):
+                env = {
+                    "NATS_URL": url,
+                    "NATS_USER": role,
+                    "NATS_PASSWORD": password(role),
+                    "PG_DSN": pg_dsn,
+                }
+                assert await check_health(role, env) == "", role
         finally:
             await client.close()
         await runner.stop_all()
