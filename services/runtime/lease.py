@@ -15,11 +15,13 @@ from contextlib import suppress
 
 import msgspec
 import structlog
+from nats.js import JetStreamContext
 from nats.js.errors import APIError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
+from schemas.events import WorkerStopped
 from schemas.workers import WorkerRecord, worker_record_decoder
-from services.runtime.bus import is_wrong_last_sequence
+from services.runtime.bus import is_wrong_last_sequence, publish_event
 from services.runtime.errors import CoordinatorError
 
 log = structlog.get_logger("lease")
@@ -141,3 +143,20 @@ class Lease:
                 holder = worker_record_decoder.decode(entry.value or b"")
                 if holder.instance_id == self.record().instance_id:
                     await self.kv.delete(self.worker_id, last=entry.revision)
+
+
+async def deregister(lease: Lease | None, js: JetStreamContext, reason: str) -> None:
+    """Give the worker id up (`Lease.release`) and record why (``stopped``, best effort)."""
+    if lease is None:
+        return
+    await lease.release()
+    with suppress(Exception):
+        await publish_event(
+            js,
+            WorkerStopped(
+                at=time.time(),
+                worker_id=lease.worker_id,
+                instance_id=lease.record().instance_id,
+                reason=reason,
+            ),
+        )

@@ -42,7 +42,6 @@ from schemas.events import (
     TaskStarted,
     Tokens,
     WorkerRegistered,
-    WorkerStopped,
 )
 from schemas.subjects import TASKS_STREAM, WEB_QUEUE
 from schemas.tasks import TaskMessage
@@ -56,7 +55,7 @@ from services.runtime.errors import (
     SearchError,
     WorkerLost,
 )
-from services.runtime.lease import Lease, LeaseLost
+from services.runtime.lease import Lease, LeaseLost, deregister
 from services.runtime.outcomes import KeepAlive, last_started, store_outcome, stored_outcome
 from services.runtime.settings import WebSearchSettings
 from services.web_search.searxng import SearxngClient
@@ -270,7 +269,9 @@ class WebSearchWorker:
                 await beats
             with suppress(Exception):
                 await sub.unsubscribe()
-            await self._deregister("lease lost" if self.lease.lost.is_set() else "stopped")
+            await deregister(
+                self.lease, self.js, "lease lost" if self.lease.lost.is_set() else "stopped"
+            )
         log.info(
             "web-search worker stopped",
             completed=self.completed,
@@ -539,21 +540,6 @@ class WebSearchWorker:
                 work.cancel()
                 with suppress(asyncio.CancelledError):
                     await work
-
-    async def _deregister(self, reason: str) -> None:
-        if self.lease is None:
-            return
-        await self.lease.release()
-        with suppress(Exception):
-            await publish_event(
-                self.js,
-                WorkerStopped(
-                    at=time.time(),
-                    worker_id=self.settings.worker_id,
-                    instance_id=self.instance_id,
-                    reason=reason,
-                ),
-            )
 
 
 def _ms_since(began: float) -> float:

@@ -34,7 +34,6 @@ from schemas.events import (
     TaskStarted,
     WorkerAsleep,
     WorkerRegistered,
-    WorkerStopped,
 )
 from schemas.route import CHUNK_HEADER, CancelRequest, StreamChunk
 from schemas.subjects import (
@@ -58,7 +57,7 @@ from services.runtime.bus import (
     publish_event,
 )
 from services.runtime.errors import BackendError, BackendUnavailable, Cancelled, ConfigError
-from services.runtime.lease import Lease, LeaseLost
+from services.runtime.lease import Lease, LeaseLost, deregister
 from services.runtime.outcomes import KeepAlive, current_attempt, store_outcome, stored_outcome
 from services.runtime.pull import pull_one
 from services.runtime.settings import WorkerSettings
@@ -320,7 +319,9 @@ class Worker:
             if self.asleep.is_set():
                 await self._go_to_sleep()
             else:
-                await self._deregister("lease lost" if self.lease.lost.is_set() else "stopped")
+                await deregister(
+                    self.lease, self.js, "lease lost" if self.lease.lost.is_set() else "stopped"
+                )
             await self.aliases.stop()
         log.info(
             "worker stopped",
@@ -729,7 +730,7 @@ class Worker:
             )
         except Exception as exc:
             log.error("could not record going to sleep", error=repr(exc))
-        await self._deregister("idle shutdown")
+        await deregister(self.lease, self.js, "idle shutdown")
         command = shlex.split(self.settings.shutdown_command)
         log.info("running the shutdown command", command=command)
         try:
@@ -740,21 +741,6 @@ class Worker:
             return
         if code != 0:
             log.error("shutdown command failed", command=command, exit_code=code)
-
-    async def _deregister(self, reason: str) -> None:
-        if self.lease is None:
-            return
-        await self.lease.release()
-        with suppress(Exception):
-            await publish_event(
-                self.js,
-                WorkerStopped(
-                    at=time.time(),
-                    worker_id=self.settings.worker_id,
-                    instance_id=self.instance_id,
-                    reason=reason,
-                ),
-            )
 
 
 def make_backend(settings: WorkerSettings) -> Backend:
