@@ -20,7 +20,7 @@ from schemas.base import Event
 # re-exported here, where every reader has always imported them from.
 from schemas.measures import Durations as Durations  # noqa: PLC0414
 from schemas.measures import Tokens as Tokens  # noqa: PLC0414
-from schemas.route import ChatMessage, Source, TaskType
+from schemas.route import ChatMessage, DoneReason, OutputFormat, Source, TaskType, ToolCall
 from schemas.subjects import bench_event, quality_event, task_event, worker_event
 
 
@@ -38,6 +38,17 @@ class TaskSubmitted(Event, frozen=True, kw_only=True, tag="submitted"):
     messages: list[ChatMessage] | None = None
     """A chat task's conversation (``prompt`` holds it as text), so it can be routed again."""
     think: bool | str | None = None
+    # The rest of what the client asked the backend for (`schemas.tasks.WORK_FIELDS`), so a
+    # moved task runs exactly as asked; see `schemas.route.RouteRequest` for each.
+    images: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    format: OutputFormat | None = None
+    keep_alive: float | str | None = None
+    suffix: str | None = None
+    input: list[str] | None = None
+    truncate: bool | None = None
+    dimensions: int | None = None
+    normalize: bool = True
 
 
 class TaskRouted(Event, frozen=True, kw_only=True, tag="routed"):
@@ -71,6 +82,10 @@ class TaskCompleted(Event, frozen=True, kw_only=True, tag="completed"):
     note: str | None = None
     """Done, but not as asked: for a web search, the summary failed (this says why) and
     ``response`` is the plain list of results."""
+    tool_calls: list[ToolCall] | None = None
+    done_reason: DoneReason | None = None
+    embeddings: list[bytes] | None = None
+    """An embedding task's vectors, little-endian float32 each (`schemas.vectors`)."""
 
 
 class TaskFailed(Event, frozen=True, kw_only=True, tag="failed"):

@@ -6,6 +6,7 @@ import msgspec
 
 from schemas.base import Wire
 from schemas.events import Durations, Tokens
+from schemas.models import ModelFacts
 from schemas.route import TaskStatus, TaskType
 
 
@@ -49,6 +50,8 @@ class WorkerView(Wire, frozen=True, kw_only=True):
     queue_depth: int = 0
     problems: list[str] = msgspec.field(default_factory=list)
     """What the reaper found wrong with this worker lately (a duplicate process, say)."""
+    facts: list[ModelFacts] = msgspec.field(default_factory=list)
+    """Capabilities, digest, size and details of its models, as its backend reports them."""
 
 
 class WorkersReply(Wire, frozen=True, kw_only=True):

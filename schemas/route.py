@@ -9,7 +9,7 @@ import msgspec
 from schemas.base import Wire
 from schemas.measures import Durations, Tokens
 
-TaskType = Literal["inference", "web_search"]
+TaskType = Literal["inference", "web_search", "embedding"]
 TaskStatus = Literal["queued", "running", "done", "failed"]
 
 # A model name meaning "the model the serving worker is configured with". Only web-search
@@ -28,12 +28,37 @@ class Source(Wire, frozen=True, kw_only=True):
 
 ChatRole = Literal["system", "user", "assistant", "tool"]
 
+# Ollama's ``format``: "json" for any JSON value, or a JSON schema the answer must follow.
+# OpenAI's ``response_format`` maps onto it (json_object -> "json", json_schema -> its schema).
+OutputFormat = Literal["json"] | dict[str, Any]
+
+
+class ToolCall(Wire, frozen=True, kw_only=True):
+    """A model's request to call one of the tools it was given.
+
+    ``arguments`` is a JSON object as Ollama has it; a server whose arguments text is not a
+    JSON object (OpenAI's API allows that) leaves the text as it came. ``id`` is OpenAI's
+    call id (Ollama has none; the gateway makes one from the task id and ``index``)."""
+
+    name: str
+    arguments: dict[str, Any] | str = msgspec.field(default_factory=dict)
+    id: str | None = None
+    index: int = 0
+
 
 class ChatMessage(Wire, frozen=True, kw_only=True):
     """One turn of a conversation, as Ollama's ``/api/chat`` and OpenAI's chat API take it."""
 
     role: ChatRole
-    content: str
+    content: str = ""
+    images: list[str] | None = None
+    """Base64 image data (no ``data:`` prefix), as Ollama takes it; a model needs ``vision``."""
+    tool_calls: list[ToolCall] | None = None
+    """An assistant turn's calls to tools."""
+    tool_name: str | None = None
+    """A ``tool`` turn: the name of the tool whose result ``content`` is (Ollama's field)."""
+    tool_call_id: str | None = None
+    """A ``tool`` turn: the call it answers (OpenAI's field)."""
 
 
 class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -54,6 +79,29 @@ class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     the judge and a worker that predates this field use."""
     think: bool | str | None = None
     """Ollama's ``think`` (true, false, or "high" / "medium" / "low"); None: the model's default."""
+    images: list[str] | None = None
+    """Base64 images for a prompt without ``messages`` (Ollama's ``/api/generate``)."""
+    tools: list[dict[str, Any]] | None = None
+    """Tool definitions in the chat APIs' shape (``{"type": "function", "function": {...}}``);
+    the model may answer with `ToolCall`s instead of text. Needs ``tools``."""
+    format: OutputFormat | None = None
+    keep_alive: float | str | None = None
+    """Ollama's ``keep_alive`` (seconds, or a duration such as "5m"), passed to the backend."""
+    suffix: str | None = None
+    """Text after the insertion point (fill-in-the-middle); needs ``insert``."""
+    input: list[str] | None = None
+    """An ``embedding`` task's texts: one vector each, in order (``prompt`` holds them too,
+    joined, for statistics). One task however many."""
+    truncate: bool | None = None
+    """Embedding: cut an input over the model's context instead of failing (Ollama's default)."""
+    dimensions: int | None = None
+    """Embedding: the length to cut each vector to, for models that allow it."""
+    normalize: bool = True
+    """Embedding: unit-length vectors (``/api/embed``, ``/v1/embeddings``); false for Ollama's
+    older ``/api/embeddings``, whose vectors are the model's own."""
+
+
+DoneReason = Literal["stop", "length", "tool_calls"]
 
 
 class RouteReply(Wire, frozen=True, kw_only=True):
@@ -78,6 +126,14 @@ class RouteReply(Wire, frozen=True, kw_only=True):
     durations: Durations | None = None
     """What the backend measured, when the task is done (as in the ``completed`` event)."""
     tokens: Tokens | None = None
+    tool_calls: list[ToolCall] | None = None
+    """The calls to tools the model answered with (``response`` may be empty then)."""
+    done_reason: DoneReason | None = None
+    """Why the generation ended: ``stop`` (its end or a stop sequence), ``length`` (the token
+    limit), ``tool_calls``; None when the backend did not say."""
+    embeddings: list[bytes] | None = None
+    """An embedding task's vectors, one per input, each little-endian float32 (base64 in JSON:
+    the bytes OpenAI's ``encoding_format: "base64"`` gives); see `schemas.vectors`."""
 
 
 class ErrorDetail(Wire, frozen=True, kw_only=True):
@@ -105,6 +161,7 @@ class StreamChunk(Wire, frozen=True, kw_only=True):
     seq: int
     response: str = ""
     thinking: str = ""
+    tool_calls: list[ToolCall] | None = None
 
 
 class CancelRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 from schemas.base import Wire
+from schemas.models import ModelFacts, facts_in
 
 Capability = Literal["cpu_inference", "gpu_inference", "web_search"]
 INFERENCE_CAPABILITIES = frozenset({"cpu_inference", "gpu_inference"})
@@ -31,6 +32,14 @@ class WorkerRecord(Wire, frozen=True, kw_only=True):
     """Where the worker's model server answers (``coordinator doctor`` checks it)."""
     wol_mac: str | None = None
     """Wake-on-LAN address, for a machine that sleeps when idle."""
+    facts: list[ModelFacts] = msgspec.field(default_factory=list)
+    """What the backend says of each model in ``models`` (capabilities, digest, size,
+    details). A model without an entry (a worker that predates this) is `ModelFacts`'s
+    defaults: ``completion`` only."""
+
+    def facts_of(self, model: str) -> ModelFacts:
+        """The facts of one of ``models`` (defaults when the worker gave none)."""
+        return facts_in(self.facts, model)
 
 
 worker_record_decoder = msgspec.json.Decoder(WorkerRecord)

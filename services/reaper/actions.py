@@ -39,7 +39,7 @@ from schemas.events import (
     task_event_decoder,
 )
 from schemas.subjects import TASKS_STREAM, task_event
-from schemas.tasks import TaskMessage
+from schemas.tasks import TaskMessage, work_of
 from services.reaper.decisions import Fail, Move
 from services.reaper.detectors import DuplicateFinding
 from services.runtime.bus import publish_event
@@ -141,14 +141,9 @@ class Actions:
             task_id=move.task_id,
             attempt=move.attempt,
             model=submitted.model,
-            prompt=submitted.prompt,
-            task_type=submitted.task_type,
-            domain=submitted.domain,
-            options=submitted.options,
             timeout_s=submitted.timeout_s,
             submitted_at=submitted.at,
-            messages=submitted.messages,
-            think=submitted.think,
+            **work_of(submitted),
             routed_seq=int(routed.seq),  # a repeated move gets the first one's sequence
         )
         await self.js.publish(

@@ -21,12 +21,13 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from schemas.models import DEFAULT_CAPABILITIES
 from schemas.tasks import is_retryable
 from schemas.workers import WorkerRecord
 from services.reaper.detectors import DEAD_WORKER, TaskFinding
 from services.reaper.view import TaskTrack
 from services.router.policy import Decision, choose, live
-from services.runtime.errors import NoWorker, WorkerLost
+from services.runtime.errors import NoWorker, UnsupportedCapability, WorkerLost
 
 # Codes of the failures the reaper records (`TaskFailed.code`).
 NO_ALTERNATIVE: Final = "no_alternative_worker"
@@ -90,11 +91,12 @@ def decide(
             f"{finding.detail}",
         )
     alive = live(workers, now, ttl_s)
+    needs = task.needs or DEFAULT_CAPABILITIES
     if task.designated is not None and task.status == "unrouted":
         # Never routed (its router stopped midway): route it where the client asked.
         try:
-            decision = choose(task.model, alive, designated=task.designated)
-        except NoWorker as exc:
+            decision = choose(task.model, alive, designated=task.designated, needs=needs)
+        except (NoWorker, UnsupportedCapability) as exc:
             return fail(DESIGNATED_LOST, f"{exc.message} (reason={finding.reason})")
         return Move(task.task_id, 1, decision, f"routed by the reaper ({finding.detail})")
     if task.designated is not None:
@@ -117,8 +119,8 @@ def decide(
         )
     others = [w for w in alive if w.worker_id != finding.worker]
     try:
-        decision = choose(task.model, others, gpu_models=gpu_models, depth=depth)
-    except NoWorker:
+        decision = choose(task.model, others, gpu_models=gpu_models, depth=depth, needs=needs)
+    except (NoWorker, UnsupportedCapability):
         return fail(NO_ALTERNATIVE, single_point_of_failure(task.model, finding.reason))
     return Move(
         task.task_id,

@@ -25,7 +25,7 @@ from schemas.events import (
     TaskSubmitted,
 )
 from schemas.route import TaskType
-from schemas.tasks import is_retryable
+from schemas.tasks import is_retryable, needs_of
 from schemas.workers import WorkerRecord
 
 TaskStatus = Literal["unrouted", "queued", "running", "retry", "ended"]
@@ -57,6 +57,9 @@ class TaskTrack:
     """The worker that started the current attempt."""
     failure_code: str | None = None
     """The retryable failure of the current attempt (status ``retry``)."""
+    needs: tuple[str, ...] = ()
+    """The model capabilities the task needs (`schemas.tasks.needs_of`); () before its
+    submission is seen."""
 
     @property
     def holder(self) -> str | None:
@@ -81,6 +84,7 @@ def track(state: TaskTrack | None, event: TaskEvent) -> TaskTrack:
                     timeout_s=event.timeout_s,
                     designated=event.requested_worker,
                     since=event.at,
+                    needs=needs_of(event),
                 )
             return dataclasses.replace(
                 state,
@@ -88,6 +92,7 @@ def track(state: TaskTrack | None, event: TaskEvent) -> TaskTrack:
                 task_type=event.task_type,
                 timeout_s=event.timeout_s,
                 designated=event.requested_worker,
+                needs=needs_of(event),
             )
         case TaskRouted():
             current = state or TaskTrack(task_id=event.task_id, since=event.at)

@@ -8,12 +8,13 @@ refused with an error that names the model and why.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from schemas.models import DEFAULT_CAPABILITIES, does_not_support, missing
 from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE, Tier, worker_queue
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
-from services.runtime.errors import NoWorker
+from services.runtime.errors import NoWorker, UnsupportedCapability
 
 # The worker name a task on the shared CPU queue is routed to.
 SHARED_WORKER = "shared"
@@ -61,6 +62,17 @@ def live(records: Iterable[WorkerRecord], now: float, ttl_s: float) -> list[Work
     return [r for r in records if now - r.heartbeat_at < ttl_s and r.state != "stopping"]
 
 
+def lacks(record: WorkerRecord, model: str, needs: Sequence[str]) -> list[str]:
+    """What ``record``'s copy of ``model`` lacks of ``needs`` (lesson 12: a request goes only
+    to a copy that can do all of it, never to one that would drop the tools or images)."""
+    return missing(needs, record.facts_of(model).capabilities)
+
+
+def can_serve(record: WorkerRecord, model: str, needs: Sequence[str]) -> bool:
+    """Does ``record`` serve ``model`` with every capability in ``needs``?"""
+    return model in record.models and not lacks(record, model, needs)
+
+
 def expected_completion_ms(
     depth: int, typical_ms: float = PRIOR_TYPICAL_MS, failure_rate: float = 0.0
 ) -> float:
@@ -79,8 +91,12 @@ def choose(
     depth: Mapping[str, int] | None = None,
     typical_ms: Mapping[str, float] | None = None,
     failure_rate: Mapping[str, float] | None = None,
+    needs: Sequence[str] = DEFAULT_CAPABILITIES,
 ) -> Decision:
     """Pick the worker for one task among live ``workers``, or raise `NoWorker`.
+
+    Only workers whose copy of the model has every capability in ``needs`` are candidates;
+    when the model is served but no copy has them, `UnsupportedCapability` names what lacks.
 
     ``depth`` is the number of tasks queued or running per worker id; ``typical_ms`` and
     ``failure_rate`` are each worker's figures for this model and domain (`PRIOR_TYPICAL_MS`
@@ -93,11 +109,16 @@ def choose(
     typical = typical_ms or {}
     failures = failure_rate or {}
     if designated is not None:
-        return _designated(model, workers, designated)
+        return _designated(model, workers, designated, needs)
 
-    serving = [w for w in _inference(workers) if model in w.models]
-    if not serving:
+    having = [w for w in _inference(workers) if model in w.models]
+    if not having:
         raise NoWorker(_why_nobody(model, workers))
+    serving = [w for w in having if not lacks(w, model, needs)]
+    if not serving:
+        # The copy that lacks least is named: what no live copy can do.
+        fewest = min((lacks(w, model, needs) for w in having), key=len)
+        raise UnsupportedCapability(does_not_support(model, fewest))
 
     prefer_gpu = not gpu_models or model in gpu_models
     gpu = [w for w in serving if tier_of(w) == "gpu"]
@@ -117,7 +138,7 @@ def choose(
 
     best = min(pool, key=lambda w: (expected(w), w.worker_id))
     tier = tier_of(best)
-    if tier == "cpu" and _shared_fits(model, pool, workers, depths):
+    if tier == "cpu" and _shared_fits(model, pool, workers, depths, needs):
         return Decision(SHARED_WORKER, "cpu", SHARED_CPU_QUEUE, "every cpu worker busy; shared")
     return Decision(best.worker_id, tier, worker_queue(tier, best.worker_id), why)
 
@@ -127,15 +148,17 @@ def _shared_fits(
     pool: Collection[WorkerRecord],
     workers: Collection[WorkerRecord],
     depths: Mapping[str, int],
+    needs: Sequence[str],
 ) -> bool:
     """The shared queue helps only when more than one CPU worker could take the task, all of
-    them are busy, and every CPU worker that pulls the shared queue serves the model."""
+    them are busy, and every CPU worker that pulls the shared queue serves the model with
+    what the task needs."""
     cpu_pool = [w for w in pool if tier_of(w) == "cpu"]
     cpu_all = [w for w in _inference(workers) if tier_of(w) == "cpu"]
     return (
         len(cpu_pool) > 1
         and all(depths.get(w.worker_id, 0) > 0 for w in cpu_pool)
-        and all(model in w.models for w in cpu_all)
+        and all(can_serve(w, model, needs) for w in cpu_all)
     )
 
 
@@ -150,7 +173,9 @@ def _inference(workers: Collection[WorkerRecord]) -> list[WorkerRecord]:
     return [w for w in workers if not INFERENCE_CAPABILITIES.isdisjoint(w.supports)]
 
 
-def _designated(model: str, workers: Collection[WorkerRecord], worker_id: str) -> Decision:
+def _designated(
+    model: str, workers: Collection[WorkerRecord], worker_id: str, needs: Sequence[str]
+) -> Decision:
     record = next((w for w in _inference(workers) if w.worker_id == worker_id), None)
     if record is None:
         raise WorkerUnavailable(f"worker '{worker_id}' is not live (no fresh registration)")
@@ -158,6 +183,11 @@ def _designated(model: str, workers: Collection[WorkerRecord], worker_id: str) -
         served = ", ".join(sorted(record.models)) or "none"
         raise WorkerUnavailable(
             f"worker '{worker_id}' does not serve model '{model}' (it serves: {served})"
+        )
+    lacking = lacks(record, model, needs)
+    if lacking:
+        raise WorkerUnavailable(
+            f"worker '{worker_id}': {does_not_support(model, lacking)} on this worker"
         )
     tier = tier_of(record)
     return Decision(worker_id, tier, worker_queue(tier, worker_id), "designated worker")
@@ -175,16 +205,21 @@ def _why_nobody(model: str, workers: Collection[WorkerRecord]) -> str:
 
 
 def choose_sleeper(
-    model: str, sleepers: Collection[WorkerRecord], *, designated: str | None = None
+    model: str,
+    sleepers: Collection[WorkerRecord],
+    *,
+    designated: str | None = None,
+    needs: Sequence[str] = DEFAULT_CAPABILITIES,
 ) -> WorkerRecord | None:
-    """A sleeping worker that serves ``model`` and can be woken (it left a MAC), or None.
+    """A sleeping worker that serves ``model`` with ``needs`` and can be woken (it left a
+    MAC), or None.
 
     Asked only when no live worker can take the task; the smallest id wins, for determinism.
     """
     able = [
         s
         for s in sleepers
-        if model in s.models
+        if can_serve(s, model, needs)
         and s.wol_mac
         and (designated is None or s.worker_id == designated)
         and INFERENCE_CAPABILITIES.intersection(s.supports)

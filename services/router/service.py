@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import math
 import time
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -33,6 +36,7 @@ from schemas.events import (
     encoder,
     task_event_decoder,
 )
+from schemas.models import EMBEDDING, name_variants
 from schemas.queries import WorkersReply, WorkerView
 from schemas.route import (
     CHUNK_HEADER,
@@ -56,7 +60,7 @@ from schemas.subjects import (
     check_token,
     task_event,
 )
-from schemas.tasks import TaskMessage, is_retryable
+from schemas.tasks import TaskMessage, is_retryable, needs_of, work_of
 from schemas.workers import WorkerRecord, worker_record_decoder
 from services import __version__
 from services.router import policy
@@ -71,7 +75,9 @@ from services.runtime.errors import (
     NotFound,
     NoWorker,
     PromptTooLarge,
+    TooLarge,
     Unavailable,
+    UnsupportedCapability,
     WaitTimeout,
 )
 from services.runtime.lifecycle import TaskSet
@@ -108,6 +114,10 @@ EXPIRE_INTERVAL_S = 1.0
 # Extra time a waiting request allows beyond the task's own timeout: queueing and event delivery.
 WAIT_MARGIN_S = 30.0
 
+# What a task message and the ``submitted`` event add to the request itself (ids, times,
+# subjects, headers), so the size check leaves room for them.
+TASK_OVERHEAD_BYTES = 4096
+
 # A problem the reaper reported is shown this long; it reports one that persists every 30 s.
 PROBLEM_SHOWN_S = 90.0
 # How often the router asks whether a reaper runs (to know if a retryable failure moves on).
@@ -119,6 +129,34 @@ def new_task_id() -> str:
     return f"{time.time_ns():x}-{uuid.uuid4().hex[:12]}"
 
 
+def conversation_chars(request: RouteRequest) -> int:
+    """The characters ``MAX_PROMPT_CHARS`` counts: the whole conversation (its text, or every
+    message's), the suffix and every embedding input, not only ``prompt``."""
+    messages = sum(len(m.content) for m in request.messages or ())
+    inputs = sum(len(text) for text in request.input or ())
+    return max(len(request.prompt), messages, inputs) + len(request.suffix or "")
+
+
+def _check_images(images: list[str] | None, where: str) -> None:
+    for index, image in enumerate(images or ()):
+        try:
+            base64.b64decode(image, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest(
+                f"{where}images[{index}] is not valid base64 (send the image's bytes base64-"
+                "encoded, without a data: prefix)"
+            ) from None
+
+
+def _check_tools(tools: list[dict[str, Any]] | None) -> None:
+    for index, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise BadRequest(f'tools[{index}] must be {{"type": "function", "function": {{...}}}}')
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise BadRequest(f"tools[{index}].function.name must be a non-empty string")
+
+
 def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
     """Decode and check a route request; every refusal is a `BadRequest` with a clear message."""
     try:
@@ -127,12 +165,21 @@ def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
         raise BadRequest(f"invalid route request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"route request is not valid JSON: {exc}") from None
-    if not request.prompt.strip():
+    if request.task_type == "embedding":
+        if not request.input:
+            raise BadRequest("an embedding request needs input: a non-empty list of texts")
+        if not request.prompt:
+            # The inputs as one text: what statistics and `coordinator task` show.
+            request = msgspec.structs.replace(request, prompt="\n".join(request.input))
+    elif request.input is not None:
+        raise BadRequest("input is for embedding requests (task_type 'embedding') only")
+    elif not request.prompt.strip():
         raise BadRequest("prompt must not be empty")
-    if len(request.prompt) > max_prompt_chars:
+    chars = conversation_chars(request)
+    if chars > max_prompt_chars:
         raise PromptTooLarge(
-            f"prompt has {len(request.prompt)} characters, over the limit of {max_prompt_chars} "
-            "(MAX_PROMPT_CHARS)"
+            f"the request holds {chars} characters of text, over the limit of "
+            f"{max_prompt_chars} (MAX_PROMPT_CHARS, counted over the whole conversation)"
         )
     if not request.model.strip():
         raise BadRequest("model must not be empty")
@@ -142,6 +189,12 @@ def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
         math.isfinite(request.timeout_s) and request.timeout_s > 0
     ):
         raise BadRequest(f"timeout_s must be a positive number of seconds, got {request.timeout_s}")
+    if request.dimensions is not None and request.dimensions <= 0:
+        raise BadRequest(f"dimensions must be a positive number, got {request.dimensions}")
+    _check_images(request.images, "")
+    for index, message in enumerate(request.messages or ()):
+        _check_images(message.images, f"messages[{index}].")
+    _check_tools(request.tools)
     try:
         if request.worker is not None:
             check_token("worker", request.worker)
@@ -298,6 +351,31 @@ class Router:
         seen = self._problems.get(worker_id)
         return [seen[1]] if seen is not None and now - seen[0] < PROBLEM_SHOWN_S else []
 
+    def resolve_model(self, asked: str) -> str:
+        """The canonical name a request for ``asked`` is routed as: aliases applied, and a
+        bare name read as its ``:latest`` (or a ``:latest`` as the bare name an
+        OpenAI-compatible server lists), whichever a live or sleeping worker serves."""
+        known = {
+            m for r in (*self.view.workers.values(), *self.view.sleepers.values()) for m in r.models
+        }
+        for variant in name_variants(asked):
+            canonical = self.aliases.canonical(variant)
+            if canonical in known:
+                return canonical
+        return self.aliases.canonical(asked)
+
+    def _check_size(self, request: RouteRequest) -> None:
+        """Refuse a request whose task message would not fit in one NATS message, instead of
+        failing on publish: images and long conversations are megabytes."""
+        limit = self.nc.max_payload
+        size = len(encoder.encode(request)) + TASK_OVERHEAD_BYTES
+        if size > limit:
+            raise TooLarge(
+                f"the request is {size} bytes as a task, over the NATS server's max_payload of "
+                f"{limit} bytes; send fewer or smaller images, or raise max_payload on every "
+                "server (the shipped configuration has 8MB)"
+            )
+
     # -- endpoints -----------------------------------------------------------------------------
 
     async def handle_workers(self, body: bytes) -> bytes:
@@ -315,6 +393,7 @@ class Router:
                 last_heartbeat=r.heartbeat_at,
                 queue_depth=depth.get(r.worker_id, 0),
                 problems=self.problems(r.worker_id, now),
+                facts=r.facts,
             )
             for r in sorted(
                 policy.live(self.view.workers.values(), now, self.settings.worker_ttl_s),
@@ -327,7 +406,11 @@ class Router:
     async def handle_route(self, body: bytes) -> bytes:
         asked = parse_route_request(body, self.settings.max_prompt_chars)
         # Requests, registrations and statistics all use the canonical name (lesson 6).
-        request = msgspec.structs.replace(asked, model=self.aliases.canonical(asked.model))
+        request = msgspec.structs.replace(asked, model=self.resolve_model(asked.model))
+        if request.task_type == "embedding" and request.domain is None:
+            # Embeddings have figures of their own, apart from any generation's.
+            request = msgspec.structs.replace(request, domain=EMBEDDING)
+        self._check_size(request)
         now = time.time()
         if now >= self._next_expiry:
             # A scan of every task in flight: once a second is plenty for ages of minutes.
@@ -339,6 +422,7 @@ class Router:
             decision = policy.choose_web(live)
         else:
             domain = request.domain or classify_domain(request.prompt)
+            needs = needs_of(request)
             candidates = [w.worker_id for w in live if request.model in w.models]
             try:
                 decision = policy.choose(
@@ -349,10 +433,14 @@ class Router:
                     depth=self.view.depth(),
                     typical_ms=self.view.typical_ms(request.model, domain, candidates),
                     failure_rate=self.view.failure_rate(request.model, domain, candidates),
+                    needs=needs,
                 )
-            except NoWorker:
+            except (NoWorker, UnsupportedCapability):
                 sleeper = policy.choose_sleeper(
-                    request.model, self.view.sleepers.values(), designated=request.worker
+                    request.model,
+                    self.view.sleepers.values(),
+                    designated=request.worker,
+                    needs=needs,
                 )
                 if sleeper is None:
                     raise
@@ -444,6 +532,9 @@ class Router:
                 note=outcome.note,
                 durations=outcome.durations,
                 tokens=outcome.tokens,
+                tool_calls=outcome.tool_calls,
+                done_reason=outcome.done_reason,
+                embeddings=outcome.embeddings,
             )
         else:
             reply = RouteReply(
@@ -504,15 +595,10 @@ class Router:
                     at=now,
                     task_id=task_id,
                     model=request.model,
-                    prompt=request.prompt,
-                    task_type=request.task_type,
-                    domain=request.domain,
-                    options=request.options,
                     requested_worker=request.worker,
                     requested_model=requested_model,
                     timeout_s=timeout_s,
-                    messages=request.messages,
-                    think=request.think,
+                    **work_of(request),
                 ),
                 msg_id=f"{task_id}:submitted",
             ),
@@ -543,16 +629,11 @@ class Router:
                 task_id=task_id,
                 attempt=1,
                 model=request.model,
-                prompt=request.prompt,
-                task_type=request.task_type,
-                domain=request.domain,
-                options=request.options,
                 timeout_s=timeout_s,
                 stream=request.stream,
                 stream_subject=stream_subject,
                 submitted_at=now,
-                messages=request.messages,
-                think=request.think,
+                **work_of(request),
                 routed_seq=int(routed.seq),
             )
             ack = await self.js.publish(

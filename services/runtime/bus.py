@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import ssl
 from contextlib import suppress
-from typing import Any
+from typing import Any, Final
 
 import nats
 import nats.errors
@@ -47,6 +47,11 @@ from services.runtime.tracing import inject_context
 log = structlog.get_logger("bus")
 
 # A retried publish of the same task attempt within this window is stored once.
+# The message limit every shipped nats-server configuration sets (deploy/nats, the embedded
+# server of `coordinator up`, the tests' servers): one task with its images must fit, and the
+# gateway's body limit (GATEWAY_MAX_BODY_BYTES) stays below it. Services read the limit in
+# force from the server (`Client.max_payload`) and refuse what exceeds it with `too_large`.
+MAX_PAYLOAD: Final = "8MB"
 DUPLICATE_WINDOW_S = 120.0
 # JetStream's error code for a publish whose expected last sequence is not the stream's.
 WRONG_LAST_SEQUENCE = 10071

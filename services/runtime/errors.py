@@ -28,6 +28,20 @@ class PromptTooLarge(BadRequest):
     code = "prompt_too_large"
 
 
+class TooLarge(BadRequest):
+    """A request (or an answer) that does not fit in one NATS message (the server's
+    ``max_payload``): refused whole, never cut."""
+
+    code = "too_large"
+
+
+class UnsupportedCapability(BadRequest):
+    """The model exists in the fleet, but no live worker's copy of it can do what the request
+    needs (tools, images, embeddings, thinking, insert); the message is Ollama's words."""
+
+    code = "unsupported_capability"
+
+
 class NoWorker(CoordinatorError):
     """No live worker can serve the request right now."""
 

@@ -42,6 +42,7 @@ from schemas.events import (
     TaskCompleted,
     task_event_decoder,
 )
+from schemas.models import COMPLETION, facts_in
 from schemas.queries import WorkersReply
 from schemas.route import RouteReply, RouteRequest
 from schemas.stats import BaselinesQuery, BaselinesReply
@@ -246,7 +247,15 @@ class Bench:
     async def _plan(self, models: list[str] | None) -> tuple[list[tuple[str, str]], list[str]]:
         """``[(model, worker)]`` to run, and the requested models no live worker serves."""
         reply = msgspec.json.decode(await call(self.nc, WORKERS, b"{}", 10.0), type=WorkersReply)
-        served = sorted({(m, w.worker_id) for w in reply.workers for m in w.models})
+        # Generation prompts: models that cannot generate (embedding-only ones) are left out.
+        served = sorted(
+            {
+                (m, w.worker_id)
+                for w in reply.workers
+                for m in w.models
+                if COMPLETION in facts_in(w.facts, m).capabilities
+            }
+        )
         if models is None:
             if not served:
                 raise NoWorker("no live workers: nothing to benchmark")

@@ -67,7 +67,7 @@ ORDER BY b.worker, b.prompt_key
 """
 _UNSCORED: Final = (
     f"SELECT {', '.join(TASK_COLUMNS)} FROM tasks t "
-    "WHERE t.status = 'done' AND t.response IS NOT NULL "
+    "WHERE t.status = 'done' AND t.response IS NOT NULL AND t.task_type <> 'embedding' "
     "AND NOT EXISTS (SELECT 1 FROM quality q WHERE q.task_id = t.task_id) "
     "ORDER BY t.ended_at, t.task_id LIMIT $1"
 )

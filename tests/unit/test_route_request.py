@@ -26,12 +26,60 @@ def test_a_minimal_request_gets_defaults() -> None:
         (b'{"prompt": "hi", "model": "m", "timeout_s": 0}', BadRequest, "timeout_s"),
         (b'{"prompt": "hi", "model": " "}', BadRequest, "model must not be empty"),
         (b'{"prompt": "hi", "model": "m", "domain": "a b"}', BadRequest, "invalid domain"),
-        (b'{"prompt": "hello", "model": "m"}', PromptTooLarge, "5 characters, over the limit of 4"),
+        (b'{"prompt": "hello", "model": "m"}', PromptTooLarge, "5 characters of text, over"),
+        (
+            b'{"prompt": "h", "model": "m", "messages": [{"role": "user", "content": "hello"}]}',
+            PromptTooLarge,
+            "5 characters of text, over the limit of 4",
+        ),
+        (b'{"prompt": "", "model": "m", "task_type": "embedding"}', BadRequest, "needs input"),
+        (b'{"prompt": "", "model": "m", "task_type": "embedding", "input": []}', BadRequest, "input"),
+        (b'{"prompt": "hi", "model": "m", "input": ["a"]}', BadRequest, "embedding requests"),
+        (
+            b'{"prompt": "", "model": "m", "task_type": "embedding", "input": ["abc", "de"]}',
+            PromptTooLarge,
+            "6 characters",  # the inputs joined, as statistics show them
+        ),
+        (b'{"prompt": "hi", "model": "m", "images": ["%%%"]}', BadRequest, "images[0] is not"),
+        (
+            b'{"prompt": "hi", "model": "m", "messages": [{"role": "user", "images": ["x"]}]}',
+            BadRequest,
+            "messages[0].images[0] is not valid base64",
+        ),
+        (b'{"prompt": "hi", "model": "m", "tools": [{"type": "x"}]}', BadRequest, "tools[0]"),
+        (
+            b'{"prompt": "hi", "model": "m", "tools": [{"function": {"name": ""}}]}',
+            BadRequest,
+            "function.name",
+        ),
+        (b'{"prompt": "hi", "model": "m", "format": "yaml"}', BadRequest, "format"),
+        (b'{"prompt": "hi", "model": "m", "dimensions": 0}', BadRequest, "dimensions"),
     ],
 )
 def test_refusals_say_what_is_wrong(body: bytes, error: type[Exception], words: str) -> None:
-    with pytest.raises(error, match=words.replace("$", r"\$").replace("`", "`")):
-        parse_route_request(body, 4 if b"hello" in body else 100)
+    with pytest.raises(error, match=words.replace("$", r"\$").replace("[", r"\[")):
+        parse_route_request(body, 4 if b"hello" in body or b"abc" in body else 100)
+
+
+def test_an_embedding_request_keeps_its_inputs_and_shows_them_as_its_prompt() -> None:
+    request = parse_route_request(
+        b'{"prompt": "", "model": "m", "task_type": "embedding", "input": ["a", "b"]}', 100
+    )
+    assert (request.input, request.prompt, request.normalize) == (["a", "b"], "a\nb", True)
+
+
+def test_tools_images_and_format_are_carried_as_given() -> None:
+    body = (
+        b'{"prompt": "hi", "model": "m", "images": ["aGk="], "format": {"type": "object"},'
+        b' "keep_alive": "5m", "options": {"num_ctx": 4096, "mirostat": 2},'
+        b' "tools": [{"type": "function", "function": {"name": "get_weather"}}]}'
+    )
+    request = parse_route_request(body, 100)
+    assert request.images == ["aGk="]
+    assert request.format == {"type": "object"}
+    assert request.keep_alive == "5m"
+    assert request.options == {"num_ctx": 4096, "mirostat": 2}
+    assert request.tools == [{"type": "function", "function": {"name": "get_weather"}}]
 
 
 def test_task_ids_are_unique_and_subject_safe() -> None:

@@ -9,12 +9,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from schemas.events import Durations, Tokens
-from schemas.route import ChatMessage
+from schemas.models import ModelFacts
+from schemas.route import ChatMessage, DoneReason, OutputFormat, ToolCall
 
 # Called as output arrives, so a long generation can tell the bus it is still working.
 Progress = Callable[[], Awaitable[None]]
-# Called with each piece of output as it arrives: (response piece, thinking piece).
-OnChunk = Callable[[str, str], Awaitable[None]]
+
+
+class OnChunk(Protocol):
+    """Called with each piece of output as it arrives: text, thinking, and tool calls when a
+    piece completes some (Ollama sends each call whole; OpenAI-compatible servers in
+    fragments, which the backend puts together first)."""
+
+    async def __call__(
+        self, response: str, thinking: str, tool_calls: list[ToolCall] | None = None
+    ) -> None: ...
 
 # How long the rest of a streamed body is read after its last message (see `drain`).
 DRAIN_S = 1.0
@@ -40,6 +49,19 @@ class Generation:
     durations: Durations
     tokens: Tokens = field(default_factory=Tokens)
     first_token_ms: float | None = None
+    tool_calls: list[ToolCall] | None = None
+    done_reason: DoneReason | None = None
+    """``stop``, ``length`` or ``tool_calls``, as the server said it; None if it did not."""
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """One embedding call's vectors, one per input in order, little-endian float32 each
+    (`schemas.vectors`)."""
+
+    vectors: list[bytes]
+    durations: Durations
+    tokens: Tokens = field(default_factory=Tokens)
 
 
 class Backend(Protocol):
@@ -63,11 +85,41 @@ class Backend(Protocol):
         on_chunk: OnChunk | None = None,
         messages: list[ChatMessage] | None = None,
         think: bool | str | None = None,
+        images: list[str] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        format: OutputFormat | None = None,
+        keep_alive: float | str | None = None,
+        suffix: str | None = None,
     ) -> Generation:
         """Run one prompt to completion within ``timeout_s``; ``on_chunk`` sees the pieces.
 
         With ``messages`` the conversation goes to the server's chat API instead of ``prompt``
-        (which then holds the same conversation as text); ``think`` is Ollama's switch."""
+        (which then holds the same conversation as text); ``think`` is Ollama's switch.
+        ``images`` go with a ``prompt`` (a conversation carries its own per message),
+        ``tools`` and ``format`` to the server as the chat APIs take them, ``keep_alive``
+        and every option as given (a server without the notion ignores them)."""
+        ...
+
+    async def embed(
+        self,
+        model: str,
+        inputs: list[str],
+        *,
+        timeout_s: float,
+        truncate: bool | None = None,
+        dimensions: int | None = None,
+        keep_alive: float | str | None = None,
+        options: dict[str, Any] | None = None,
+        normalize: bool = True,
+    ) -> Embedding:
+        """One vector per input, in one call. ``normalize`` false asks for the model's own
+        vectors (Ollama's older ``/api/embeddings``, one call per input)."""
+        ...
+
+    async def model_facts(self, served: list[str]) -> dict[str, ModelFacts]:
+        """What the server says of each served model (by its served name): capabilities,
+        digest, size, details. A model it says nothing of is left out (the worker then
+        registers `ModelFacts`'s defaults)."""
         ...
 
     async def aclose(self) -> None: ...
