@@ -20,6 +20,8 @@ from pathlib import Path
 
 import asyncpg
 
+from services.runtime.bus import MAX_PAYLOAD
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -72,9 +74,14 @@ class NatsServer:
 
     def start(self) -> NatsServer:
         where = ["-a", "127.0.0.1", "-p", str(self.port)]
-        args = (
-            ["-c", self.config, *where] if self.config else ["-js", *where, "-sd", self.store_dir]
-        )
+        if self.config:
+            args = ["-c", self.config, *where]
+        else:
+            # The shipped configurations' message limit, so tests see what a fleet sees.
+            limits = os.path.join(self.store_dir, "limits.conf")
+            with open(limits, "w") as f:
+                f.write(f"max_payload: {MAX_PAYLOAD}\n")
+            args = ["-c", limits, "-js", *where, "-sd", self.store_dir]
         self.proc = subprocess.Popen(
             [nats_server_binary(), *args],
             stdout=subprocess.DEVNULL,

@@ -16,7 +16,8 @@ from typing import Any
 
 import msgspec
 
-from schemas import events, queries, route, stats, tasks, workers
+from schemas import events, queries, route, stats, tasks, vectors, workers
+from schemas.models import COMPLETION, facts_in
 from schemas.subjects import ROUTE, TASK, WORKERS
 from services import __version__
 from services.cli import deploy, doctor, stats_commands
@@ -96,6 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--json", action="store_true", help="print the reply body as is")
     ask.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     ask.set_defaults(func=cmd_ask)
+
+    embed = sub.add_parser(
+        "embed", help="embed texts with a model; print one JSON array of floats per text"
+    )
+    embed.add_argument("text", nargs="+", help="each text gets one vector, in order")
+    embed.add_argument("--model", "-m", required=True)
+    embed.add_argument("--dimensions", type=int, default=None, help="cut vectors to this length")
+    embed.add_argument("--worker", "-w")
+    embed.add_argument("--timeout", type=float, default=None, help="seconds the task may run")
+    embed.add_argument("--json", action="store_true", help="print the reply body as is")
+    embed.set_defaults(func=cmd_embed)
 
     task = sub.add_parser("task", help="show one task")
     task.add_argument("task_id")
@@ -244,6 +256,39 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_embed(args: argparse.Namespace) -> int:
+    """One embedding task for every text; each vector printed as a JSON array, in order."""
+    request = route.RouteRequest(
+        prompt="",
+        model=args.model,
+        task_type="embedding",
+        input=list(args.text),
+        dimensions=args.dimensions,
+        worker=args.worker,
+        wait=True,
+        timeout_s=args.timeout,
+    )
+    body = _request(ROUTE, _json.encode(request), (args.timeout or 300.0) + 60.0)
+    if args.json:
+        print(body.decode())
+    reply = msgspec.json.decode(body, type=route.RouteReply)
+    if reply.status == "failed":
+        print(
+            f"error task_failed: task {reply.task_id} on {reply.worker}: {reply.error}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    if not args.json:
+        for vector in reply.embeddings or []:
+            print(_json.encode(vectors.to_floats(vector)).decode())
+        print(
+            f"task {reply.task_id} done on {reply.worker}: {len(reply.embeddings or [])} "
+            f"vectors of {vectors.dimensions((reply.embeddings or [b''])[0])} dimensions",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def print_sources(sources: Sequence[route.Source]) -> None:
     """A web-search answer's sources, numbered as the answer cites them: ``[n] title`` + url."""
     print("\nSources:")
@@ -306,11 +351,20 @@ def cmd_workers(args: argparse.Namespace) -> int:
     for w in reply.workers:
         print(
             f"{w.worker_id:<20} {w.host:<16} {w.tier:<4} {w.state:<8} {w.queue_depth:>5} "
-            f"{now - w.last_heartbeat:>7.1f}s  {', '.join(w.models)}"
+            f"{now - w.last_heartbeat:>7.1f}s  {', '.join(_with_capabilities(w))}"
         )
         for problem in w.problems:
             print(f"  ! {problem}")
     return 0
+
+
+def _with_capabilities(worker: queries.WorkerView) -> list[str]:
+    """Each model, with what it can do beyond plain generation: ``qwen3:8b (tools,thinking)``."""
+    shown = []
+    for model in worker.models:
+        extra = [c for c in facts_in(worker.facts, model).capabilities if c != COMPLETION]
+        shown.append(f"{model} ({','.join(extra)})" if extra else model)
+    return shown
 
 
 def cmd_schemas_export(args: argparse.Namespace) -> int:

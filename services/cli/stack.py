@@ -25,6 +25,7 @@ import httpx
 import structlog
 
 from services.cli.client import STACK_FILE
+from services.runtime.bus import MAX_PAYLOAD
 from services.runtime.errors import ConfigError, CoordinatorError
 from services.runtime.lifecycle import install_stop_signals
 from services.runtime.logging import setup_logging
@@ -76,8 +77,16 @@ def embedded_nats(home: Path) -> Iterator[str]:
     store = home / "nats"
     store.mkdir(parents=True, exist_ok=True)
     logfile = home / "nats-server.log"
+    # The same message limit as every shipped configuration (deploy/nats/nats-server.conf):
+    # the gateway's body limit is set below it, so an image-bearing request always fits.
+    config = home / "nats-server.conf"
+    config.write_text(f"max_payload: {MAX_PAYLOAD}\n")
     proc = subprocess.Popen(
-        [binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store), "-l", str(logfile)],
+        [
+            binary,
+            *("-c", str(config), "-js", "-a", "127.0.0.1", "-p", str(port)),
+            *("-sd", str(store), "-l", str(logfile)),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
