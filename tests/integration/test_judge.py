@@ -13,7 +13,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from schemas.events import QualityScored, TaskEvent, any_event_decoder
+from schemas.events import QualityScored, TaskEvent, TaskSubmitted, any_event_decoder
 from schemas.subjects import EVENTS_STREAM
 from services.stats.judge import Judge, JudgeReport, JudgeSettings, JudgeUnavailable
 from services.stats.store import Store
@@ -292,3 +292,18 @@ async def test_a_judge_error_leaves_the_task_for_the_next_run(
     assert (failed.judged, failed.ok) == (0, False)
     assert "HTTP 500" in failed.errors[0]
     assert (retried.scored, retried.ok) == (1, True)
+
+
+async def test_embedding_tasks_are_never_judged(
+    nats_server: NatsServer, pg_dsn: str, judge_host: FakeOllama
+) -> None:
+    vectors = done_task("t-vectors", "")
+    asked = msgspec.structs.replace(vectors[0], task_type="embedding", input=["a"])
+    assert isinstance(asked, TaskSubmitted)
+    tasks = [[asked, *vectors[1:]], done_task("t-text", "answer-good", at=T0 + 1)]
+    async with projected(nats_server, pg_dsn, tasks) as (_, js, store):
+        report, _ = await run_judge(js, store, judge_settings(nats_server, pg_dsn, judge_host.url))
+        stored = await verdicts(js)
+
+    assert report.judged == 1
+    assert [v.task_id for v in stored] == ["t-text"]

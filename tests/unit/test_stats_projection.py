@@ -348,3 +348,32 @@ def test_a_cancelled_task_fails_but_counts_in_no_figure() -> None:
 
     assert after.status == "failed" and after.error_code == "cancelled"
     assert outcome_of(before, after) is None  # the client went away: nothing about the worker
+
+
+def test_an_embedding_task_has_figures_of_its_own_domain() -> None:
+    """The router names an embedding task's domain ``embedding``: its outcome is keyed apart
+    from every generation's, and its vectors stay in the event log, not in the task row."""
+    asked = msgspec.structs.replace(
+        submitted(domain="embedding"), task_type="embedding", input=["a", "b"], prompt="a\nb"
+    )
+    before = replay(asked, routed(), started())
+    vectors = msgspec.structs.replace(
+        completed(),
+        response="",
+        thinking=None,
+        embeddings=[b"\x00\x00\x80?", b"\x00\x00\x00@"],
+        durations=Durations(total_ms=30.0, load_ms=5.0),
+        tokens=Tokens(prompt=2),
+    )
+    after = evolve(before, vectors)
+    outcome = outcome_of(before, after)
+
+    assert outcome is not None
+    assert (outcome.domain, outcome.ok, outcome.total_ms, outcome.eval_tokens) == (
+        "embedding",
+        True,
+        30.0,
+        None,
+    )
+    view = to_view(after)
+    assert (view.task_type, view.status, view.response) == ("embedding", "done", "")
