@@ -14,6 +14,7 @@ import shlex
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable
 from contextlib import suppress
 
 import msgspec
@@ -35,7 +36,8 @@ from schemas.events import (
     WorkerAsleep,
     WorkerRegistered,
 )
-from schemas.route import CHUNK_HEADER, CancelRequest, StreamChunk
+from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing
+from schemas.route import CHUNK_HEADER, CancelRequest, StreamChunk, ToolCall
 from schemas.subjects import (
     ASLEEP_BUCKET,
     CANCEL_NOTICES,
@@ -44,7 +46,7 @@ from schemas.subjects import (
     task_event,
     worker_queue_filter,
 )
-from schemas.tasks import TaskMessage
+from schemas.tasks import TaskMessage, needs_of
 from schemas.workers import WorkerRecord
 from services import __version__
 from services.runtime.aliases import AliasFollower
@@ -56,13 +58,19 @@ from services.runtime.bus import (
     is_wrong_last_sequence,
     publish_event,
 )
-from services.runtime.errors import BackendError, BackendUnavailable, Cancelled, ConfigError
+from services.runtime.errors import (
+    BackendError,
+    BackendUnavailable,
+    Cancelled,
+    ConfigError,
+    TooLarge,
+)
 from services.runtime.lease import Lease, LeaseLost, deregister
 from services.runtime.outcomes import KeepAlive, current_attempt, store_outcome, stored_outcome
 from services.runtime.pull import pull_one
 from services.runtime.settings import WorkerSettings
 from services.runtime.tracing import extract_context
-from services.worker.backends import Backend, Generation, OnChunk
+from services.worker.backends import Backend, Embedding, Generation, OnChunk, Progress
 from services.worker.backends.ollama import OllamaBackend
 from services.worker.backends.openai import OpenAIBackend
 from services.worker.idle import should_sleep
@@ -76,6 +84,9 @@ _encoder = msgspec.json.Encoder()
 
 # A prompt any model can answer quickly; it only has to come back without an error.
 SANITY_PROMPT = "Reply with the single word OK."
+# What headers and the event's own fields add to an outcome beyond its answer: an outcome is
+# checked against the server's max_payload with this much room left.
+OUTCOME_HEADROOM_BYTES = 1024
 
 
 # The consumer every CPU worker binds for ``tasks.cpu.shared``.
@@ -111,6 +122,8 @@ class Worker:
         self.instance_id = uuid.uuid4().hex[:12]
         # Model names as the backend serves them; registrations use their canonical names.
         self.served: list[str] = []
+        # What the backend says of each served model, by its served name.
+        self.served_facts: dict[str, ModelFacts] = {}
         self.aliases = AliasFollower(self.js)
         self.started_at = time.time()
         self.current_task: str | None = None
@@ -121,7 +134,7 @@ class Worker:
         self.cancelled = 0
         # task id -> why it was cancelled, from `CANCEL_NOTICES`.
         self._cancels: OrderedDict[str, str] = OrderedDict()
-        self._generation: asyncio.Future[Generation] | None = None
+        self._generation: asyncio.Future[Generation | Embedding] | None = None
         self._cancel_sub: Subscription | None = None
         self.lease: Lease | None = None
         self.last_activity = self.started_at
@@ -133,6 +146,29 @@ class Worker:
     def models(self) -> list[str]:
         """The canonical names (aliases applied) of the models served: what routing sees."""
         return list(dict.fromkeys(self.aliases.canonical(name) for name in self.served))
+
+    @property
+    def facts(self) -> list[ModelFacts]:
+        """Each served model's facts under its canonical name (what routing matches)."""
+        return [
+            msgspec.structs.replace(facts, name=self.aliases.canonical(name))
+            for name, facts in self.served_facts.items()
+            if name in self.served
+        ]
+
+    def capabilities(self, served_name: str) -> list[str]:
+        return self.served_facts.get(served_name, ModelFacts(name=served_name)).capabilities
+
+    async def read_facts(self, models: list[str]) -> None:
+        """Ask the backend what each model can do (capabilities, digest, size, details); a
+        backend that cannot say leaves the defaults (completion only), logged."""
+        try:
+            self.served_facts = await self.backend.model_facts(models)
+        except BackendError as exc:
+            log.warning("model facts unavailable; registering defaults", error=exc.message)
+            self.served_facts = {}
+        for model in models:
+            log.info("model capabilities", model=model, capabilities=self.capabilities(model))
 
     def backend_name(self, model: str) -> str:
         """The name the backend knows a model by, for a canonical (or served) name."""
@@ -180,27 +216,35 @@ class Worker:
         reasons: list[str] = []
         for model in models:
             try:
-                result = await self.backend.generate(
-                    model,
-                    SANITY_PROMPT,
-                    options={"num_predict": 8},
-                    timeout_s=self.settings.sanity_timeout_s,
-                )
+                total_ms = await self._sanity_run(model)
             except BackendError as exc:
                 log.error("model left out: sanity run failed", model=model, error=exc.message)
                 reasons.append(f"{model}: {exc.code}: {exc.message}")
                 continue
-            log.info(
-                "model passed its sanity run",
-                model=model,
-                total_ms=round(result.durations.total_ms, 1),
-            )
+            log.info("model passed its sanity run", model=model, total_ms=round(total_ms, 1))
             passed.append(model)
         if not passed:
             raise ConfigError(
                 f"no model passed its sanity run on {self.backend.address}: " + "; ".join(reasons)
             )
         return passed
+
+    async def _sanity_run(self, model: str) -> float:
+        """One tiny generation, or for an embedding-only model (which refuses generation) one
+        tiny embedding; returns its total milliseconds."""
+        capabilities = self.capabilities(model)
+        if COMPLETION not in capabilities and EMBEDDING in capabilities:
+            embedded = await self.backend.embed(
+                model, ["OK"], timeout_s=self.settings.sanity_timeout_s
+            )
+            return embedded.durations.total_ms
+        result = await self.backend.generate(
+            model,
+            SANITY_PROMPT,
+            options={"num_predict": 8},
+            timeout_s=self.settings.sanity_timeout_s,
+        )
+        return result.durations.total_ms
 
     def record(self) -> WorkerRecord:
         return WorkerRecord(
@@ -219,6 +263,7 @@ class Worker:
             backend=self.settings.worker_backend,
             backend_url=self.backend.address,
             wol_mac=self.settings.wol_mac,
+            facts=self.facts,
         )
 
     async def ensure_consumer(self) -> JetStreamContext.PullSubscription:
@@ -266,7 +311,9 @@ class Worker:
         """Learn the models, take the lease, bind the consumer and announce the worker."""
         kv = await ensure_streams(self.js, worker_ttl_s=self.settings.worker_ttl_s)
         await self.aliases.start()
-        self.served = await self.sanity_check(await self.discover_models(stop))
+        discovered = await self.discover_models(stop)
+        await self.read_facts(discovered)
+        self.served = await self.sanity_check(discovered)
         self.lease = Lease(kv, self.settings.worker_id, self.settings.worker_ttl_s, self.record)
         await self.lease.acquire()
         # Awake again: no longer a sleeper for the router to wake.
@@ -381,12 +428,14 @@ class Worker:
     async def _serves(self, msg: Msg) -> bool:
         """A shared task for a model this worker lacks goes back for another worker."""
         try:
-            model = _task_decoder.decode(msg.data).model
+            task = _task_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return True  # handle() terminates it with a log line
-        if model in self.models:
+        if task.model in self.models and not missing(
+            needs_of(task), self.capabilities(self.backend_name(task.model))
+        ):
             return True
-        log.info("shared task for a model not served here; returned", model=model)
+        log.info("shared task for a model not served here; returned", model=task.model)
         await msg.nak(delay=1)
         return False
 
@@ -586,19 +635,10 @@ class Worker:
             async with KeepAlive(msg, self.settings.ack_wait_s) as alive:
                 # A future of its own, so a cancel notice can stop the backend call alone.
                 self._generation = asyncio.ensure_future(
-                    self.backend.generate(
-                        self.backend_name(task.model),
-                        task.prompt,
-                        options=task.options,
-                        timeout_s=task.timeout_s,
-                        progress=alive.progress,
-                        on_chunk=on_chunk,
-                        messages=task.messages,
-                        think=task.think,
-                    )
+                    self._call_backend(task, alive.progress, on_chunk)
                 )
                 with tracer.start_as_current_span(
-                    "backend generate",
+                    "backend embed" if task.task_type == "embedding" else "backend generate",
                     kind=trace.SpanKind.CLIENT,
                     attributes={"server.address": self.backend.address, "model": task.model},
                 ):
@@ -623,18 +663,87 @@ class Worker:
             )
         finally:
             self._generation = None
-        return TaskCompleted(
+        if isinstance(result, Embedding):
+            completed = TaskCompleted(
+                at=time.time(),
+                task_id=task.task_id,
+                attempt=task.attempt,
+                worker=self.settings.worker_id,
+                model=task.model,
+                response="",
+                durations=result.durations,
+                tokens=result.tokens,
+                embeddings=result.vectors,
+            )
+        else:
+            completed = TaskCompleted(
+                at=time.time(),
+                task_id=task.task_id,
+                attempt=task.attempt,
+                worker=self.settings.worker_id,
+                model=task.model,
+                response=result.response,
+                thinking=result.thinking,
+                durations=msgspec.structs.replace(
+                    result.durations, first_token_ms=result.first_token_ms
+                ),
+                tokens=result.tokens,
+                tool_calls=result.tool_calls,
+                done_reason=result.done_reason,
+            )
+        return self._fitting(completed)
+
+    def _call_backend(
+        self, task: TaskMessage, progress: Progress, on_chunk: OnChunk | None
+    ) -> Awaitable[Generation | Embedding]:
+        """The backend call a task asks for: one embedding call for every input of an
+        embedding task, else a generation with everything the client asked for."""
+        model = self.backend_name(task.model)
+        if task.task_type == "embedding":
+            return self.backend.embed(
+                model,
+                task.input or [],
+                timeout_s=task.timeout_s,
+                truncate=task.truncate,
+                dimensions=task.dimensions,
+                keep_alive=task.keep_alive,
+                options=task.options,
+                normalize=task.normalize,
+            )
+        return self.backend.generate(
+            model,
+            task.prompt,
+            options=task.options,
+            timeout_s=task.timeout_s,
+            progress=progress,
+            on_chunk=on_chunk,
+            messages=task.messages,
+            think=task.think,
+            images=task.images,
+            tools=task.tools,
+            format=task.format,
+            keep_alive=task.keep_alive,
+            suffix=task.suffix,
+        )
+
+    def _fitting(self, completed: TaskCompleted) -> TaskCompleted | TaskFailed:
+        """The outcome, or an explicit failure when the answer is too large to store as one
+        event (a huge batch of embeddings, say): never a publish that fails over and over."""
+        limit = self.nc.max_payload - OUTCOME_HEADROOM_BYTES
+        size = len(_encoder.encode(completed))
+        if size <= limit:
+            return completed
+        return TaskFailed(
             at=time.time(),
-            task_id=task.task_id,
-            attempt=task.attempt,
-            worker=self.settings.worker_id,
-            model=task.model,
-            response=result.response,
-            thinking=result.thinking,
-            durations=msgspec.structs.replace(
-                result.durations, first_token_ms=result.first_token_ms
+            task_id=completed.task_id,
+            attempt=completed.attempt,
+            worker=completed.worker,
+            code=TooLarge.code,
+            reason=(
+                f"the answer is {size} bytes, over what one event can hold ({limit} bytes: the "
+                "NATS server's max_payload less headers); send fewer inputs per request"
             ),
-            tokens=result.tokens,
+            durations=completed.durations,
         )
 
     def _cancelled_outcome(self, task: TaskMessage, started: float | None) -> TaskFailed:
@@ -674,14 +783,22 @@ class Worker:
         subject = task.stream_subject or ""
         seq = 0
 
-        async def publish(response: str, thinking: str) -> None:
+        async def publish(
+            response: str, thinking: str, tool_calls: list[ToolCall] | None = None
+        ) -> None:
             nonlocal seq
             if not claim.done():
                 await asyncio.wait([claim])
             if claim.cancelled() or claim.exception() is not None or not claim.result():
                 return
             seq += 1
-            chunk = StreamChunk(task_id=task.task_id, seq=seq, response=response, thinking=thinking)
+            chunk = StreamChunk(
+                task_id=task.task_id,
+                seq=seq,
+                response=response,
+                thinking=thinking,
+                tool_calls=tool_calls,
+            )
             await self.nc.publish(subject, _encoder.encode(chunk), headers={CHUNK_HEADER: str(seq)})
 
         return publish

@@ -50,10 +50,9 @@ async def ask(nc: Client, **fields: Any) -> tuple[dict[str, Any], dict[str, str]
 
 
 async def records(nc: Client, count: int) -> dict[str, WorkerRecord]:
-    kv = await nc.jetstream().key_value("workers")
-
     async def read() -> dict[str, WorkerRecord] | None:
         try:
+            kv = await nc.jetstream().key_value("workers")
             keys = await kv.keys()
         except Exception:
             return None
@@ -194,7 +193,7 @@ async def test_a_need_no_live_worker_can_meet_is_refused_in_ollamas_words(
     before = await task_kinds(nc)
 
     image = [{"role": "user", "content": "what is this?", "images": [PIXEL]}]
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"messages": image}, f"{CHAT} does not support vision"),
         ({"tools": [WEATHER]}, f"{CHAT} does not support tools"),
         ({"think": True}, f'"{CHAT}" does not support thinking'),
@@ -265,9 +264,9 @@ async def test_an_embedding_task_runs_on_a_worker_that_serves_the_model(
     # One task for the batch, recorded like any other.
     js = nc.jetstream()
     done = await js.get_last_msg(EVENTS_STREAM, f"events.task.{reply.task_id}.completed")
-    assert msgspec.json.decode(done.data)["embeddings"] == body["embeddings"]
+    assert msgspec.json.decode(done.data or b"")["embeddings"] == body["embeddings"]
     submitted = await js.get_last_msg(EVENTS_STREAM, f"events.task.{reply.task_id}.submitted")
-    assert msgspec.json.decode(submitted.data)["domain"] == "embedding"
+    assert msgspec.json.decode(submitted.data or b"")["domain"] == "embedding"
     assert (await js.stream_info(TASKS_STREAM)).state.messages == 0
 
 
@@ -329,7 +328,7 @@ async def test_what_does_not_fit_in_one_message_is_refused_or_failed_explicitly(
             before = await task_kinds(nc)
 
             # Fits the server, but not as a task with its ids and headers: refused, no task.
-            image = base64.b64encode(os.urandom(46_000)).decode()
+            image = base64.b64encode(os.urandom(47_000)).decode()
             body, headers = await ask(nc, images=[image])
             assert headers.get("Nats-Service-Error-Code") == "too_large"
             assert "max_payload of 65536 bytes" in error_of(body).error.message

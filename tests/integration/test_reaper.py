@@ -24,10 +24,11 @@ from schemas.events import (
     WorkerDuplicate,
     kind_of,
 )
+from schemas.models import ModelFacts
 from schemas.tasks import TaskMessage
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.settings import WorkerSettings
-from services.worker.backends import Generation
+from services.worker.backends import Embedding, Generation
 from services.worker.service import Worker
 from tests.fakes.ollama import FakeOllama
 from tests.harness import (
@@ -161,6 +162,13 @@ class WedgedBackend:
     async def generate(self, model: str, prompt: str, **_: Any) -> Generation:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
+
+    async def embed(self, model: str, inputs: list[str], **_: Any) -> Embedding:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def model_facts(self, served: list[str]) -> dict[str, ModelFacts]:
+        return {}
 
     async def aclose(self) -> None:
         pass

@@ -25,6 +25,7 @@ class OnChunk(Protocol):
         self, response: str, thinking: str, tool_calls: list[ToolCall] | None = None
     ) -> None: ...
 
+
 # How long the rest of a streamed body is read after its last message (see `drain`).
 DRAIN_S = 1.0
 
@@ -51,7 +52,11 @@ class Generation:
     first_token_ms: float | None = None
     tool_calls: list[ToolCall] | None = None
     done_reason: DoneReason | None = None
-    """``stop``, ``length`` or ``tool_calls``, as the server said it; None if it did not."""
+    """Why it ended, as the server said it (``stop``, ``length``; OpenAI-compatible servers
+    also ``tool_calls``), except that a ``stop`` after tool calls is ``tool_calls`` (Ollama
+    says ``stop`` then; the gateway says ``stop`` again to Ollama's clients); ``length``
+    stays (the calls may be cut). None if the server did not say, or said something else
+    (Ollama's ``load``)."""
 
 
 @dataclass(frozen=True, slots=True)
