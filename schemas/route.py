@@ -75,8 +75,8 @@ class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     messages: list[ChatMessage] | None = None
     """A conversation: workers send it to their backend's chat API. ``prompt`` then holds the
-    same conversation as text (`services.gateway.convert.chat_prompt`), which is what statistics,
-    the judge and a worker that predates this field use."""
+    same conversation as text (`services.gateway.conversation.chat_prompt`), which is what
+    statistics, the judge and a worker that predates this field use."""
     think: bool | str | None = None
     """Ollama's ``think`` (true, false, or "high" / "medium" / "low"); None: the model's default."""
     images: list[str] | None = None

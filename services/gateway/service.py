@@ -1,13 +1,18 @@
 """The gateway service: Ollama's and OpenAI's HTTP APIs (and the task API) in front of
 ``coordinator.route``, on aiohttp.
 
-Every generation is routed with ``wait`` and ``stream``: the router's first chunk (seq 0) names
-the task, so a client that goes away (aiohttp cancels its handler, or a write fails) has its
-task cancelled through ``coordinator.cancel``; pieces are forwarded as the worker produces
-them; the HTTP status is decided only when the first text (or the end) arrives, so a task
-that fails before any output still gets a proper error status. Ollama's model management
-(``/api/show``, ``/api/pull``, preloads) is answered from ``coordinator.workers`` alone: no
-task. The shapes and statuses are pure functions in `services.gateway.convert`.
+Every generation (and every embedding batch) is routed with ``wait``: the router's first chunk
+(seq 0) names the task, so a client that goes away (aiohttp cancels its handler, or a write
+fails) has its task cancelled through ``coordinator.cancel``; pieces are forwarded as the
+worker produces them; the HTTP status is decided only when the first output (or the end)
+arrives, so a task that fails before any output still gets a proper error status. Ollama's
+model management (``/api/show``, ``/api/pull``, preloads, an embedding request with nothing to
+embed) and the model listings are answered from ``coordinator.workers`` alone: no task. The
+bodies, shapes and statuses are pure functions in the API modules (`ollama_api`,
+`ollama_answers`, `openai_api`, `openai_answers`, `task_api`, `fleet`, `common`).
+
+Every request ends in one ``request`` log line (path, model, status, code, and the task when
+there was one), refusals before routing included.
 """
 
 from __future__ import annotations
@@ -19,34 +24,33 @@ from contextlib import suppress
 from typing import Final
 
 import msgspec
-import nats.errors
 import structlog
 from aiohttp import web
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
-from schemas.queries import TaskQuery, WorkersReply, WorkerView
+from schemas.queries import TaskQuery
 from schemas.route import (
     CHUNK_HEADER,
-    CancelRequest,
-    ErrorBody,
-    RouteReply,
     RouteRequest,
     StreamChunk,
 )
-from schemas.subjects import CANCEL, ROUTE, TASK, WORKERS
+from schemas.subjects import ROUTE, TASK
 from services import __version__
-from services.gateway import convert
-from services.gateway.convert import (
+from services.gateway import fleet, ollama_api, openai_api
+from services.gateway.bus import QUERY_TIMEOUT_S, FleetBus, next_msg
+from services.gateway.common import (
+    OLLAMA_API_VERSION,
     ApiError,
     Ask,
-    OllamaShape,
-    OpenAIShape,
-    Preload,
+    Instant,
     Shape,
-    TaskShape,
+    model_named,
+    too_large,
 )
+from services.gateway.fleet import Served
+from services.gateway.ollama_answers import OllamaEmbedShape, OllamaShape, ollama_pull
+from services.gateway.openai_answers import OpenAIEmbedShape, OpenAIShape
+from services.gateway.task_api import TaskShape, task_route
 from services.runtime.bus import connect
 from services.runtime.errors import ConfigError
 from services.runtime.lifecycle import TaskSet
@@ -54,13 +58,6 @@ from services.runtime.settings import GatewaySettings
 
 log = structlog.get_logger("gateway")
 
-# Chat histories can be long; the router still enforces MAX_PROMPT_CHARS on the prompt.
-MAX_BODY_BYTES: Final = 16 * 1024 * 1024
-# Request/reply calls that only read (workers, a task) or cancel.
-QUERY_TIMEOUT_S: Final = 5.0
-# A client that leaves before the router took its request: cancel tries, and the pause between.
-CANCEL_TRIES: Final = 3
-CANCEL_RETRY_S: Final = 0.2
 # The router replies within the task's timeout plus its margin; the gateway waits beyond that.
 WAIT_MARGIN_S: Final = 60.0
 JSON: Final = "application/json"
@@ -69,56 +66,9 @@ TASK_HEADER: Final = "X-Coordinator-Task"
 
 _encoder = msgspec.json.Encoder()
 _chunk_decoder = msgspec.json.Decoder(StreamChunk)
-_reply_decoder = msgspec.json.Decoder(RouteReply)
-_error_decoder = msgspec.json.Decoder(ErrorBody)
-_workers_decoder = msgspec.json.Decoder(WorkersReply)
 
-Parser = Callable[..., Ask | Preload]
-
-
-class Replies:
-    """One subscription for every reply the gateway waits on (``<inbox>.<n>`` each), as
-    nats.py's own requests do: no SUB and UNSUB on the bus per request."""
-
-    def __init__(self, nc: Client) -> None:
-        self.nc = nc
-        self.prefix = nc.new_inbox()
-        self._queues: dict[str, asyncio.Queue[Msg]] = {}
-        self._count = 0
-        self._sub: Subscription | None = None
-
-    async def start(self) -> None:
-        self._sub = await self.nc.subscribe(f"{self.prefix}.*", cb=self._deliver)
-
-    async def stop(self) -> None:
-        if self._sub is not None:
-            with suppress(Exception):
-                await self._sub.unsubscribe()
-
-    async def _deliver(self, msg: Msg) -> None:
-        queue = self._queues.get(msg.subject)
-        if queue is not None:
-            queue.put_nowait(msg)
-
-    def open(self) -> tuple[str, asyncio.Queue[Msg]]:
-        """A fresh reply subject and the queue its messages arrive in."""
-        self._count += 1
-        subject = f"{self.prefix}.{self._count}"
-        queue: asyncio.Queue[Msg] = asyncio.Queue()
-        self._queues[subject] = queue
-        return subject, queue
-
-    def close(self, subject: str) -> None:
-        self._queues.pop(subject, None)
-
-
-async def next_msg(queue: asyncio.Queue[Msg], timeout_s: float) -> Msg | None:
-    """The next message, or None after ``timeout_s`` of silence."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await queue.get()
-    except TimeoutError:
-        return None
+Parser = Callable[..., Ask | Instant]
+MakeShape = Callable[[str, Ask | None], Shape]
 
 
 class Gateway:
@@ -128,10 +78,11 @@ class Gateway:
         self.nc = nc
         self.settings = settings
         self.tasks = TaskSet()
-        self.replies = Replies(nc)
+        self.bus = FleetBus(nc)
+        self.replies = self.bus.replies
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=self.settings.gateway_max_body_bytes)
         routes = app.router
         # add_get also answers HEAD, which Ollama's CLI sends to / to see the server is up.
         routes.add_get("/", self.root)
@@ -140,138 +91,175 @@ class Gateway:
         routes.add_get("/api/ps", self.ps)
         routes.add_post("/api/generate", self.api_generate)
         routes.add_post("/api/chat", self.api_chat)
+        routes.add_post("/api/embed", self.api_embed)
+        routes.add_post("/api/embeddings", self.api_embeddings)
         routes.add_post("/api/show", self.api_show)
         routes.add_post("/api/pull", self.api_pull)
         routes.add_get("/v1/models", self.v1_models)
+        routes.add_get("/v1/models/{model:.+}", self.v1_model)
         routes.add_post("/v1/chat/completions", self.v1_chat)
         routes.add_post("/v1/completions", self.v1_completions)
+        routes.add_post("/v1/embeddings", self.v1_embeddings)
         routes.add_post("/route", self.route)
         routes.add_get("/task/{task_id}", self.task)
         return app
 
-    # -- small endpoints ---------------------------------------------------------------------
+    # -- small endpoints -------------------------------------------------------------------------
 
     async def root(self, request: web.Request) -> web.Response:
         """What Ollama answers at ``/``; some clients probe it."""
         return web.Response(text="Ollama is running")
 
     async def version(self, request: web.Request) -> web.Response:
-        body = {"version": convert.OLLAMA_API_VERSION, "coordinator": __version__}
+        body = {"version": OLLAMA_API_VERSION, "coordinator": __version__}
         return web.Response(body=_encoder.encode(body), content_type=JSON)
 
     async def tags(self, request: web.Request) -> web.Response:
-        return await self._listing(convert.ollama_tags, OllamaShape(model="", chat=False))
+        return await self._listing(request, fleet.ollama_tags, OllamaShape(model="", chat=False))
 
     async def ps(self, request: web.Request) -> web.Response:
-        return await self._listing(convert.ollama_ps, OllamaShape(model="", chat=False))
+        return await self._listing(request, fleet.ollama_ps, OllamaShape(model="", chat=False))
 
     async def v1_models(self, request: web.Request) -> web.Response:
-        return await self._listing(convert.openai_models, OpenAIShape(model="", chat=True))
+        return await self._listing(request, fleet.openai_models, OpenAIShape(model="", chat=True))
 
     async def _listing(
-        self, render: Callable[[list[WorkerView]], bytes], shape: Shape
+        self, request: web.Request, render: fleet.Listing, shape: Shape
     ) -> web.Response:
         try:
-            workers = await self._workers()
+            workers = await self.bus.workers()
         except ApiError as exc:
-            return self._error(shape, exc)
+            return self._refused(request, shape, exc)
         return web.Response(body=render(workers), content_type=JSON)
 
-    # -- Ollama's model management: the worker list, no task ---------------------------------
+    async def v1_model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``: a served model (bare names and aliases resolved), or
+        OpenAI's 404."""
+        asked = request.match_info["model"]
+        shape = OpenAIShape(model=asked, chat=True)
+        try:
+            known = await self.bus.fleet()
+            body = fleet.openai_model(asked, known.workers, known.aliases)
+        except ApiError as exc:
+            return self._refused(request, shape, exc, asked)
+        return web.Response(body=body, content_type=JSON)
+
+    # -- Ollama's model management: the worker list, no task -------------------------------------
 
     async def api_show(self, request: web.Request) -> web.Response:
         """``POST /api/show``: a model a live worker serves, in Ollama's shape."""
+        shape = OllamaShape(model="", chat=False)
+        body = b""
         try:
-            asked = convert.ollama_model_request(await _read(request), "show")
-            serving = await self._serving(asked.model)
+            body = await self._read(request)
+            asked = ollama_api.ollama_model_request(body, "show")
+            served = await self._serving(asked.model)
         except ApiError as exc:
-            return self._error(OllamaShape(model="", chat=False), exc)
-        return web.Response(body=convert.ollama_show(asked.model, serving), content_type=JSON)
+            return self._refused(request, shape, exc, model_named(body))
+        return web.Response(body=fleet.ollama_show(asked.model, served), content_type=JSON)
 
     async def api_pull(self, request: web.Request) -> web.Response:
         """``POST /api/pull``: the gateway cannot pull; a model the fleet serves is a success
         at once, any other a 404 that says so."""
+        shape = OllamaShape(model="", chat=False)
+        body = b""
         try:
-            asked = convert.ollama_model_request(await _read(request), "pull")
+            body = await self._read(request)
+            asked = ollama_api.ollama_model_request(body, "pull")
             await self._serving(asked.model, pull=True)
         except ApiError as exc:
-            return self._error(OllamaShape(model="", chat=False), exc)
+            return self._refused(request, shape, exc, model_named(body))
         return web.Response(
-            body=convert.ollama_pull(stream=asked.stream),
+            body=ollama_pull(stream=asked.stream),
             content_type=NDJSON if asked.stream else JSON,
         )
 
-    async def _preload(self, request: web.Request, preload: Preload) -> web.Response:
-        """A load (or unload) of a served model: answered at once. Workers keep their models
-        loaded as their own Ollama decides; nothing is loaded or unloaded here."""
-        await self._serving(preload.model)
+    async def _instant(self, request: web.Request, instant: Instant) -> web.Response:
+        """A preload (or unload), or an embedding request with nothing to embed, of a served
+        model: answered at once. Workers keep their models loaded as their own Ollama
+        decides; nothing is loaded or unloaded here."""
+        await self._serving(instant.model)
         log.info(
-            "request",
-            path=request.path,
-            model=preload.model,
-            preload="unload" if preload.unload else "load",
-            status=200,
+            "request", path=request.path, model=instant.model, instant=instant.kind, status=200
         )
-        return web.Response(body=convert.ollama_preload(preload), content_type=JSON)
+        return web.Response(body=instant.answer(), content_type=JSON)
 
-    # -- generation --------------------------------------------------------------------------
+    # -- generation and embeddings ---------------------------------------------------------------
 
     async def api_generate(self, request: web.Request) -> web.StreamResponse:
-        return await self._generation(
-            request, convert.ollama_generate, lambda model, ask: OllamaShape(model, chat=False)
+        return await self._ask(
+            request, ollama_api.ollama_generate, lambda model, ask: OllamaShape(model, chat=False)
         )
 
     async def api_chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generation(
-            request, convert.ollama_chat, lambda model, ask: OllamaShape(model, chat=True)
+        return await self._ask(
+            request, ollama_api.ollama_chat, lambda model, ask: OllamaShape(model, chat=True)
+        )
+
+    async def api_embed(self, request: web.Request) -> web.StreamResponse:
+        return await self._ask(
+            request, ollama_api.ollama_embed, lambda model, ask: OllamaEmbedShape(model)
+        )
+
+    async def api_embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._ask(
+            request,
+            ollama_api.ollama_embeddings,
+            lambda model, ask: OllamaEmbedShape(model, legacy=True),
         )
 
     async def v1_chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generation(request, convert.openai_chat, _openai_shape(chat=True))
+        return await self._ask(request, openai_api.openai_chat, _openai_shape(chat=True))
 
     async def v1_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generation(request, convert.openai_completion, _openai_shape(chat=False))
+        return await self._ask(request, openai_api.openai_completion, _openai_shape(chat=False))
 
-    async def _generation(
-        self,
-        request: web.Request,
-        parse: Parser,
-        make_shape: Callable[[str, Ask | None], Shape],
+    async def v1_embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._ask(
+            request,
+            openai_api.openai_embeddings,
+            lambda model, ask: OpenAIEmbedShape(model, base64=bool(ask and ask.base64_vectors)),
+        )
+
+    async def _ask(
+        self, request: web.Request, parse: Parser, make_shape: MakeShape
     ) -> web.StreamResponse:
+        body = b""
         try:
-            body = await _read(request)
+            body = await self._read(request)
             ask = parse(body, timeout_s=self.settings.gateway_task_timeout_s)
-            if isinstance(ask, Preload):
-                return await self._preload(request, ask)
+            if not isinstance(ask, Ask):
+                return await self._instant(request, ask)
         except ApiError as exc:
-            return self._error(make_shape("", None), exc)
+            return self._refused(request, make_shape("", None), exc, model_named(body))
         return await self._serve(request, ask.route, make_shape(ask.route.model, ask))
 
-    # -- the task API ------------------------------------------------------------------------
+    # -- the task API ----------------------------------------------------------------------------
 
     async def route(self, request: web.Request) -> web.StreamResponse:
         """``POST /route``: the bus's route request and reply, as DESIGN.md has them."""
         shape = TaskShape()
+        body = b""
         try:
-            body = await _read(request)
-            asked = convert.task_route(body)
+            body = await self._read(request)
+            asked = task_route(body)
             if asked.wait or asked.stream:
                 return await self._serve(request, asked, shape)
-            reply = await self._call(ROUTE, body, QUERY_TIMEOUT_S)
+            reply = await self.bus.call(ROUTE, body, QUERY_TIMEOUT_S)
         except ApiError as exc:
-            return self._error(shape, exc)
+            return self._refused(request, shape, exc, model_named(body))
         return web.Response(body=reply, content_type=JSON)
 
     async def task(self, request: web.Request) -> web.Response:
         """``GET /task/{id}``: the task as the stats service knows it."""
         query = TaskQuery(task_id=request.match_info["task_id"])
         try:
-            reply = await self._call(TASK, _encoder.encode(query), QUERY_TIMEOUT_S)
+            reply = await self.bus.call(TASK, _encoder.encode(query), QUERY_TIMEOUT_S)
         except ApiError as exc:
-            return self._error(TaskShape(), exc)
+            return self._refused(request, TaskShape(), exc)
         return web.Response(body=reply, content_type=JSON)
 
-    # -- the route call ----------------------------------------------------------------------
+    # -- the route call --------------------------------------------------------------------------
 
     async def _serve(
         self, request: web.Request, route: RouteRequest, shape: Shape
@@ -285,6 +273,7 @@ class Gateway:
         task_id: str | None = None
         response: web.StreamResponse | None = None
         status = 200
+        code: str | None = None
         try:
             await self.nc.publish(ROUTE, _encoder.encode(route), reply=inbox)
             wait_s = self._wait_s(route)
@@ -302,7 +291,9 @@ class Gateway:
                     if piece is not None and response is not None:
                         await response.write(piece)
                     continue
-                reply = await self._final(msg.data, headers, shape)
+                reply = await self.bus.final(
+                    msg.data, headers, failed_is_error=not isinstance(shape, TaskShape)
+                )
                 task_id = reply.task_id
                 if not stream:
                     return web.Response(
@@ -314,7 +305,7 @@ class Gateway:
                 await response.write_eof()
                 return response
         except ApiError as exc:
-            status = exc.status
+            status, code = exc.status, exc.code
             if response is None:
                 return self._error(shape, exc)
             # Too late for a status: say it the way the API says errors mid-stream.
@@ -323,7 +314,7 @@ class Gateway:
             return response
         except (asyncio.CancelledError, ConnectionResetError):
             status = 499  # nginx's "client closed request", for the log line only
-            self.tasks.spawn(self._cancel_abandoned(inbox, queue, task_id), name="cancel")
+            self.tasks.spawn(self.bus.cancel_abandoned(inbox, queue, task_id), name="cancel")
             handed_over = True
             raise
         finally:
@@ -335,31 +326,10 @@ class Gateway:
                 model=route.model,
                 task_id=task_id,
                 status=status,
+                code=code,
                 stream=stream,
                 ms=round((time.perf_counter() - started) * 1000, 2),
             )
-
-    async def _final(self, data: bytes, headers: dict[str, str], shape: Shape) -> RouteReply:
-        """The router's last message as a reply; refusals and failed tasks as `ApiError`."""
-        if headers.get("Status") == "503":
-            raise ApiError(503, "no_responder", "no router answers coordinator.route")
-        code = headers.get("Nats-Service-Error-Code")
-        if code is not None:
-            message = _error_message(data, headers)
-            has_workers = await self._fleet_has_workers() if code == "no_worker" else False
-            status = convert.refusal_status(code, fleet_has_workers=has_workers)
-            if status == 404 and code == "no_worker":
-                message = f"model not found: {message}"
-            raise ApiError(status, code, message)
-        reply = _reply_decoder.decode(data)
-        if reply.status == "failed" and not isinstance(shape, TaskShape):
-            failure, reason = convert.failure_of(reply)
-            raise ApiError(
-                convert.failure_status(failure),
-                failure,
-                f"task {reply.task_id} failed on worker {reply.worker}: {reason}",
-            )
-        return reply
 
     async def _start(self, request: web.Request, shape: Shape, task_id: str) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -377,70 +347,33 @@ class Gateway:
             return route.timeout_s + WAIT_MARGIN_S
         return self.settings.gateway_reply_timeout_s
 
-    async def _cancel_abandoned(
-        self, inbox: str, queue: asyncio.Queue[Msg], task_id: str | None
-    ) -> None:
-        """The client went away: cancel its task, by id when the id came, else by the route
-        request's reply subject (tried a few times: the router may not have taken it yet)."""
-        cancel = CancelRequest(
-            task_id=task_id,
-            reply_to=None if task_id else inbox,
-            reason="the HTTP client disconnected",
-        )
+    # -- bus helpers -----------------------------------------------------------------------------
+
+    async def _serving(self, model: str, *, pull: bool = False) -> Served:
+        """The model ``model`` names and the live workers serving it: a bare name is its
+        ``:latest``, an alias followed, as the router resolves them."""
+        known = await self.bus.fleet()
+        return fleet.serving(model, known.workers, known.aliases, pull=pull)
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, refused at once when its ``Content-Length`` is over the limit (and when
+        a chunked one grows over it)."""
+        limit = self.settings.gateway_max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            raise ApiError(413, "too_large", too_large(limit, length))
         try:
-            for attempt in range(CANCEL_TRIES):
-                try:
-                    await self._call(CANCEL, _encoder.encode(cancel), QUERY_TIMEOUT_S)
-                except ApiError as exc:
-                    if exc.code != "not_found" or attempt == CANCEL_TRIES - 1 or task_id:
-                        raise
-                    if any(CHUNK_HEADER not in (m.headers or {}) for m in _drain(queue)):
-                        return  # answered (refused, or ended) in the meantime
-                    await asyncio.sleep(CANCEL_RETRY_S)
-                    continue
-                log.info("client went away; task cancelled", task_id=task_id, inbox=inbox)
-                return
-        except ApiError as exc:
-            log.info("client went away; nothing cancelled", task_id=task_id, error=exc.message)
-        except Exception as exc:
-            log.warning("client went away; cancel failed", task_id=task_id, error=repr(exc))
-        finally:
-            self.replies.close(inbox)
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, "too_large", too_large(limit)) from None
 
-    # -- bus helpers -------------------------------------------------------------------------
-
-    async def _call(self, subject: str, body: bytes, timeout_s: float) -> bytes:
-        """Request/reply; an error reply or a silent bus becomes an `ApiError`."""
-        try:
-            reply = await self.nc.request(subject, body, timeout=timeout_s)
-        except nats.errors.NoRespondersError:
-            raise ApiError(503, "no_responder", f"no service answers {subject}") from None
-        except nats.errors.TimeoutError:
-            raise ApiError(504, "timeout", f"{subject} did not answer in {timeout_s:g} s") from None
-        headers = reply.headers or {}
-        code = headers.get("Nats-Service-Error-Code")
-        if code is not None:
-            status = convert.refusal_status(code, fleet_has_workers=True)
-            raise ApiError(status, code, _error_message(reply.data, headers))
-        return reply.data
-
-    async def _workers(self) -> list[WorkerView]:
-        return (await self._fleet()).workers
-
-    async def _fleet(self) -> WorkersReply:
-        return _workers_decoder.decode(await self._call(WORKERS, b"{}", QUERY_TIMEOUT_S))
-
-    async def _serving(self, model: str, *, pull: bool = False) -> list[WorkerView]:
-        """The live workers serving ``model``, an alias followed as the router follows it."""
-        fleet = await self._fleet()
-        return convert.workers_serving(fleet.aliases.get(model, model), fleet.workers, pull=pull)
-
-    async def _fleet_has_workers(self) -> bool:
-        """Is any inference worker live? (Then an unserved model is unknown, not unserved.)"""
-        try:
-            return any(w.tier != "web" for w in await self._workers())
-        except ApiError:
-            return False
+    def _refused(
+        self, request: web.Request, shape: Shape, exc: ApiError, model: str = ""
+    ) -> web.Response:
+        """The error answer to a request refused before (or without) routing, with its log
+        line."""
+        log.info("request", path=request.path, model=model, status=exc.status, code=exc.code)
+        return self._error(shape, exc)
 
     def _error(self, shape: Shape, exc: ApiError) -> web.Response:
         headers = {}
@@ -454,14 +387,7 @@ class Gateway:
         )
 
 
-def _drain(queue: asyncio.Queue[Msg]) -> list[Msg]:
-    msgs: list[Msg] = []
-    while not queue.empty():
-        msgs.append(queue.get_nowait())
-    return msgs
-
-
-def _openai_shape(*, chat: bool) -> Callable[[str, Ask | None], Shape]:
+def _openai_shape(*, chat: bool) -> MakeShape:
     def make(model: str, ask: Ask | None) -> Shape:
         return OpenAIShape(
             model=model,
@@ -471,22 +397,6 @@ def _openai_shape(*, chat: bool) -> Callable[[str, Ask | None], Shape]:
         )
 
     return make
-
-
-async def _read(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(
-            413, "bad_request", f"request body over {MAX_BODY_BYTES // (1024 * 1024)} MiB"
-        ) from None
-
-
-def _error_message(data: bytes, headers: dict[str, str]) -> str:
-    try:
-        return _error_decoder.decode(data).error.message
-    except msgspec.DecodeError:
-        return headers.get("Nats-Service-Error", "") or "error"
 
 
 async def serve(gateway: Gateway, host: str, port: int) -> web.AppRunner:

@@ -279,6 +279,10 @@ class GatewaySettings(Settings, frozen=True, kw_only=True):
     """The longest the gateway waits for the router's next message before answering 504."""
     gateway_retry_after_s: int = 5
     """``Retry-After`` on 503 answers (no live worker, no router): about one heartbeat."""
+    gateway_max_body_bytes: int = 4 * 1024 * 1024
+    """The largest request body the gateway reads (images are megabytes); a larger one is a
+    413 in the API's own shape. Keep it under the NATS server's ``max_payload``: a task must
+    fit in one message."""
 
     def check(self) -> None:
         if not 0 < self.gateway_port < 65536:
@@ -289,6 +293,8 @@ class GatewaySettings(Settings, frozen=True, kw_only=True):
             raise ConfigError("GATEWAY_REPLY_TIMEOUT_S must be a positive number of seconds")
         if self.gateway_retry_after_s < 0:
             raise ConfigError("GATEWAY_RETRY_AFTER_S must not be negative")
+        if self.gateway_max_body_bytes <= 0:
+            raise ConfigError("GATEWAY_MAX_BODY_BYTES must be a positive number of bytes")
 
 
 class SetupSettings(Settings, frozen=True, kw_only=True):

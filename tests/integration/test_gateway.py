@@ -160,9 +160,10 @@ async def test_show_describes_a_served_model_and_404s_others(
         legacy = await http.post("/api/show", json={"name": THINKER})
         nameless = await http.post("/api/show", json={})
 
-    assert shown.capabilities == ["completion"]
-    assert shown.details is not None and shown.details.family == ""
-    assert shown.modelinfo == {"general.architecture": ""}
+    # The facts the worker read from its backend (the stand-in's /api/show).
+    assert shown.capabilities == ["completion", "tools"]
+    assert shown.details is not None and shown.details.family == "qwen2"
+    assert shown.modelinfo == {"general.architecture": "qwen2", "qwen2.context_length": 32768}
     assert shown.modified_at is not None
     assert shown.modelfile and f"FROM {PLAIN}" in shown.modelfile
     assert (unknown.value.status_code, unknown.value.error) == (404, "model 'nope:1b' not found")
@@ -276,7 +277,7 @@ async def test_the_ollama_cli_run_and_stop_flow(stack: Stack) -> None:
         )
 
     assert heartbeat.status_code == 200
-    assert shown.status_code == 200 and shown.json()["capabilities"] == ["completion"]
+    assert shown.status_code == 200 and shown.json()["capabilities"] == ["completion", "tools"]
     assert loaded.status_code == 200 and loaded.json()["done_reason"] == "load"
     assert chatted.json()["message"]["content"] == "4"
     assert stopped.json()["done_reason"] == "unload"
@@ -358,13 +359,18 @@ async def test_a_bad_body_is_400(stack: Stack) -> None:
         no_model = await http.post("/api/chat", json={"messages": []})
         tools = await http.post(
             "/v1/chat/completions",
-            json={"model": PLAIN, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+            json={
+                "model": PLAIN,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{}],
+            },
         )
         route = await http.post("/route", json={"prompt": "x", "model": PLAIN, "typo": 1})
 
     assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]
     assert no_model.status_code == 400
-    assert tools.status_code == 400 and tools.json()["error"]["code"] == "unsupported"
+    assert tools.status_code == 400 and tools.json()["error"]["code"] == "bad_request"
+    assert "tools[0]" in tools.json()["error"]["message"]
     assert route.status_code == 400 and route.json()["error"]["code"] == "bad_request"
 
 

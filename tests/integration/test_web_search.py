@@ -182,7 +182,7 @@ async def test_the_summary_can_come_from_an_openai_compatible_server(web: Stack)
             id="model not served",
         ),
         pytest.param(
-            {}, {"options": {"num_predict": 0}}, ["returned an empty answer"], id="empty answer"
+            {"replies": {QUESTION: ""}}, {}, ["returned an empty answer"], id="empty answer"
         ),
         pytest.param(
             {"searxng_delay_s": 0.6}, {"timeout_s": 1.5}, ["no time left"], id="no time left"

@@ -1,5 +1,5 @@
-"""The gateway's pure conversions: API bodies to route requests, replies to API bodies,
-error codes to statuses."""
+"""The gateway's pure conversions shared by every API: conversations as text, images, output
+formats, tool-call helpers, ``keep_alive``, error statuses, the task API."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from schemas.measures import Durations, Tokens
-from schemas.queries import WorkerView
-from schemas.route import ChatMessage, RouteReply, StreamChunk
-from services.gateway import convert
-from services.gateway.convert import ApiError, Ask, OllamaShape, OpenAIShape, Preload, TaskShape
+from schemas.route import ChatMessage, RouteReply, ToolCall
+from services.gateway import common, conversation
+from services.gateway.common import ApiError
+from services.gateway.task_api import TaskShape, task_route
+from services.runtime.errors import ConfigError
+from services.runtime.settings import GatewaySettings
+
+DONE = RouteReply(task_id="t-1", status="done", queue="q", worker="cpu-1", response="42")
 
 
 def body(**fields: Any) -> bytes:
@@ -23,53 +26,7 @@ def decode(data: bytes) -> Any:
     return msgspec.json.decode(data)
 
 
-def routed(ask: Ask | Preload) -> Ask:
-    """A request that becomes a task (not a preload)."""
-    assert isinstance(ask, Ask)
-    return ask
-
-
-DONE = RouteReply(
-    task_id="t-1",
-    status="done",
-    queue="tasks.cpu.cpu-1",
-    worker="cpu-1",
-    response="42",
-    thinking="six sevens",
-    durations=Durations(total_ms=12.5, load_ms=1.0, prompt_eval_ms=2.0, eval_ms=8.0),
-    tokens=Tokens(prompt=5, eval=3),
-)
-
-
-# -- requests ------------------------------------------------------------------------------------
-
-
-def test_generate_becomes_a_waiting_streamed_route_request() -> None:
-    ask = routed(
-        convert.ollama_generate(
-            body(model="m", prompt="hi", options={"temperature": 0}, think=False), timeout_s=30
-        )
-    )
-    assert ask.stream  # Ollama streams unless told not to
-    route = ask.route
-    assert (route.prompt, route.model, route.wait, route.stream) == ("hi", "m", True, True)
-    assert route.options == {"temperature": 0}
-    assert route.think is False
-    assert route.timeout_s == 30
-    assert route.messages is None
-
-
-def test_a_system_prompt_makes_generate_a_conversation() -> None:
-    route = routed(
-        convert.ollama_generate(
-            body(model="m", prompt="hi", system="be brief", stream=False), timeout_s=None
-        )
-    ).route
-    assert route.messages == [
-        ChatMessage(role="system", content="be brief"),
-        ChatMessage(role="user", content="hi"),
-    ]
-    assert route.prompt == "System: be brief\n\nUser: hi\n\nAssistant:"
+# -- conversations ------------------------------------------------------------------------------
 
 
 def test_chat_prompt_is_pure_and_puts_system_first() -> None:
@@ -80,101 +37,121 @@ def test_chat_prompt_is_pure_and_puts_system_first() -> None:
         ChatMessage(role="assistant", content="hello"),
         ChatMessage(role="user", content="2+2?"),
     ]
-    assert convert.chat_prompt(lone) == "what is 2+2"
-    assert convert.chat_prompt(turns) == (
+    assert conversation.chat_prompt(lone) == "what is 2+2"
+    assert conversation.chat_prompt(turns) == (
         "System: be brief\n\nUser: hi\n\nAssistant: hello\n\nUser: 2+2?\n\nAssistant:"
     )
 
 
-def test_openai_chat_maps_sampling_and_roles() -> None:
-    ask = convert.openai_chat(
-        body(
-            model="m",
-            messages=[
-                {"role": "developer", "content": "be brief"},
-                {
-                    "role": "user",
-                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
-                },
-            ],
-            max_tokens=10,
-            temperature=0.5,
-            stop="END",
-            stream=True,
-            stream_options={"include_usage": True},
-            reasoning_effort="low",
-        ),
-        timeout_s=None,
-    )
-    assert ask.stream and ask.include_usage
-    assert ask.route.messages == [
-        ChatMessage(role="system", content="be brief"),
-        ChatMessage(role="user", content="ab"),
+def test_chat_prompt_shows_images_tool_calls_and_tool_results() -> None:
+    call = ToolCall(name="weather", arguments={"city": "Paris"})
+    turns = [
+        ChatMessage(role="user", content="look", images=["aGk=", "aGk="]),
+        ChatMessage(role="assistant", tool_calls=[call]),
+        ChatMessage(role="tool", content="sunny", tool_name="weather"),
     ]
-    assert ask.route.options == {"temperature": 0.5, "stop": ["END"], "num_predict": 10}
-    assert ask.route.think == "low"
+    assert conversation.chat_prompt(turns) == (
+        "User: look [2 images]\n\n"
+        'Assistant: [calls weather({"city":"Paris"})]\n\n'
+        "Tool (weather): sunny\n\nAssistant:"
+    )
+    assert conversation.chat_prompt([ChatMessage(role="user", images=["aGk="])]) == "[1 image]"
 
 
-def test_openai_completion_takes_one_prompt() -> None:
-    ask = convert.openai_completion(body(model="m", prompt=["only"]), timeout_s=None)
-    assert ask.route.prompt == "only" and not ask.stream
+def test_a_conversation_needs_something_said() -> None:
+    image_only = [ChatMessage(role="user", images=["aGk="])]
+    assert conversation.conversation(image_only)[1] == image_only
     with pytest.raises(ApiError) as refused:
-        convert.openai_completion(body(model="m", prompt=["a", "b"]), timeout_s=None)
+        conversation.conversation([ChatMessage(role="user", content="  ")])
+    assert refused.value.code == "bad_request"
+
+
+def test_roles_are_read_as_ollama_reads_them() -> None:
+    assert conversation.message("Developer", "x").role == "system"
+    assert conversation.message("USER", "x").role == "user"
+    with pytest.raises(ApiError):
+        conversation.message("robot", "x")
+
+
+def test_images_must_be_base64() -> None:
+    assert conversation.check_images(["aGk="]) == ["aGk="]
+    assert conversation.check_images([]) is None
+    with pytest.raises(ApiError) as refused:
+        conversation.check_images(["aGk=", "not base64!"], "messages[2].")
     assert refused.value.status == 400
+    assert "messages[2].images[1] is not base64" in refused.value.message
 
 
 @pytest.mark.parametrize(
-    ("parse", "raw", "code"),
+    ("value", "expected"),
+    [(None, None), ("", None), ("json", "json"), ({"type": "object"}, {"type": "object"})],
+)
+def test_output_formats(value: Any, expected: Any) -> None:
+    assert conversation.output_format(value) == expected
+
+
+@pytest.mark.parametrize("value", ["xml", 3, ["json"], True])
+def test_other_formats_are_refused_in_ollamas_words(value: Any) -> None:
+    with pytest.raises(ApiError) as refused:
+        conversation.output_format(value)
+    assert refused.value.status == 400
+    assert refused.value.message.startswith("invalid format: ")
+    assert refused.value.message.endswith('expected "json" or a valid JSON Schema object')
+
+
+def test_tool_call_arguments_and_ids() -> None:
+    assert conversation.arguments_of('{"a": 1}') == {"a": 1}
+    assert conversation.arguments_of("[1, 2]") == "[1, 2]"  # not an object: the text stays
+    assert conversation.arguments_of("not json") == "not json"
+    call = ToolCall(name="f", arguments={"b": [1, "x"], "a": None})
+    assert conversation.arguments_text(call) == '{"b":[1,"x"],"a":null}'  # the model's order
+    assert conversation.arguments_text(ToolCall(name="f", arguments="raw")) == "raw"
+    assert conversation.call_id(call, "t-1", 2) == "call_t-1_2"
+    assert conversation.call_id(ToolCall(name="f", id="call_x"), "t-1", 2) == "call_x"
+
+
+def test_an_embedding_route_is_one_waiting_task() -> None:
+    route = conversation.embedding_route("m", ["a", "b"], timeout_s=9, truncate=False)
+    assert (route.task_type, route.input, route.prompt) == ("embedding", ["a", "b"], "a\nb")
+    assert (route.wait, route.stream, route.truncate, route.timeout_s) == (True, False, False, 9)
+    with pytest.raises(ApiError):
+        conversation.embedding_route(" ", ["a"], timeout_s=None)
+
+
+# -- keep_alive ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "ns"),
     [
-        (convert.ollama_generate, b"{nope", "bad_request"),
-        (convert.ollama_generate, body(prompt="no model"), "bad_request"),
-        (convert.ollama_generate, body(model="m", prompt="  "), "bad_request"),
-        (convert.ollama_generate, body(model="m", prompt="x", images=["aGk="]), "unsupported"),
-        (convert.ollama_generate, body(model="m", prompt="x", format="json"), "unsupported"),
-        (convert.ollama_generate, body(prompt=""), "bad_request"),  # a preload needs a model too
-        (convert.ollama_generate, body(model="m", prompt="", keep_alive="5"), "bad_request"),
-        (
-            convert.ollama_chat,
-            body(model="m", messages=[{"role": "user", "content": " "}]),
-            "bad_request",
-        ),
-        (convert.ollama_chat, body(messages=None), "bad_request"),
-        (
-            convert.ollama_chat,
-            body(model="m", messages=[{"role": "robot", "content": "x"}]),
-            "bad_request",
-        ),
-        (
-            convert.ollama_chat,
-            body(model="m", messages=[{"role": "user"}], tools=[{}]),
-            "unsupported",
-        ),
-        (convert.openai_chat, body(model="m", messages="hi"), "bad_request"),
-        (
-            convert.openai_chat,
-            body(model="m", messages=[{"role": "user", "content": "x"}], n=2),
-            "unsupported",
-        ),
-        (
-            convert.openai_chat,
-            body(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
-            "unsupported",
-        ),
+        (None, None),
+        (0, 0),
+        (0.0, 0),
+        (1.5, 1_500_000_000),
+        (-1, common.FOREVER_NS),
+        ("0", 0),
+        ("-0", 0),
+        ("0s", 0),
+        ("5m", 300_000_000_000),
+        ("1h30m", 5_400_000_000_000),
+        ("1.5s", 1_500_000_000),
+        ("250ms", 250_000_000),
+        ("-5m", common.FOREVER_NS),
     ],
 )
-def test_bad_or_unsupported_bodies_are_400(parse: Any, raw: bytes, code: str) -> None:
+def test_keep_alive_is_read_as_ollama_reads_it(value: Any, ns: int | None) -> None:
+    assert common.keep_alive_ns(value) == ns
+    assert common.keep_alive(value) == value  # passed on as the client gave it
+
+
+@pytest.mark.parametrize("value", ["", "5", "5 m", "m", ".s", "5x", True, [1], {"s": 1}])
+def test_a_bad_keep_alive_is_400(value: Any) -> None:
     with pytest.raises(ApiError) as refused:
-        parse(raw, timeout_s=None)
-    assert (refused.value.status, refused.value.code) == (400, code)
+        common.keep_alive(value)
+    assert (refused.value.status, refused.value.code) == (400, "bad_request")
 
 
-def test_the_task_api_takes_the_bus_body_and_refuses_typos() -> None:
-    assert convert.task_route(body(prompt="p", model="m", wait=True)).wait
-    with pytest.raises(ApiError):
-        convert.task_route(body(prompt="p", model="m", wiat=True))
-
-
-# -- statuses ------------------------------------------------------------------------------------
+# -- statuses, limits, the log line's model -----------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -187,73 +164,64 @@ def test_the_task_api_takes_the_bus_body_and_refuses_typos() -> None:
         ("no_responder", True, 503),
         ("bad_request", True, 400),
         ("prompt_too_large", True, 400),
+        ("unsupported_capability", True, 400),
+        ("too_large", True, 413),
         ("not_found", True, 404),
         ("timeout", True, 504),
         ("something_new", True, 500),
     ],
 )
 def test_refusal_statuses(code: str, has_workers: bool, status: int) -> None:
-    assert convert.refusal_status(code, fleet_has_workers=has_workers) == status
+    assert common.refusal_status(code, fleet_has_workers=has_workers) == status
 
 
 def test_failed_tasks_are_upstream_errors() -> None:
     failed = RouteReply(
         task_id="t", status="failed", queue="q", worker="w", error="backend_timeout: took 9 s"
     )
-    assert convert.failure_of(failed) == ("backend_timeout", "took 9 s")
-    assert convert.failure_status("backend_timeout") == 504
-    assert convert.failure_status("backend_error") == 502
-    assert convert.failure_status("wake_timeout") == 503
+    assert common.failure_of(failed) == ("backend_timeout", "took 9 s")
+    assert common.failure_status("backend_timeout") == 504
+    assert common.failure_status("backend_error") == 502
+    assert common.failure_status("wake_timeout") == 503
 
 
-# -- shapes --------------------------------------------------------------------------------------
+def test_too_large_names_the_limit_and_its_variable() -> None:
+    message = common.too_large(4 * 2**20, 5_000_000)
+    assert "5000000 bytes" in message and "4194304 bytes" in message
+    assert "4 MiB" in message and "GATEWAY_MAX_BODY_BYTES" in message
 
 
-def test_ollama_shapes_carry_thinking_and_figures() -> None:
-    generate = OllamaShape(model="asked", chat=False)
-    chat = OllamaShape(model="asked", chat=True)
-
-    whole = decode(generate.whole(DONE))
-    assert (whole["response"], whole["thinking"], whole["done"]) == ("42", "six sevens", True)
-    assert whole["model"] == "asked"
-    assert whole["total_duration"] == 12_500_000 and whole["eval_count"] == 3
-    assert decode(chat.whole(DONE))["message"] == {
-        "role": "assistant",
-        "content": "42",
-        "thinking": "six sevens",
-    }
-    piece = chat.piece(StreamChunk(task_id="t-1", seq=2, thinking="hmm"))
-    assert piece is not None and decode(piece)["message"]["thinking"] == "hmm"
-    assert chat.piece(StreamChunk(task_id="t-1", seq=0)) is None  # the accept notice
-    assert decode(generate.end(DONE))["response"] == ""
-    assert decode(generate.error(404, "no_worker", "model 'x' not found")) == {
-        "error": "model 'x' not found"
-    }
+def test_the_body_limit_is_a_setting() -> None:
+    assert GatewaySettings.from_env({}).gateway_max_body_bytes == 4 * 2**20
+    small = GatewaySettings.from_env({"GATEWAY_MAX_BODY_BYTES": "1024"})
+    assert small.gateway_max_body_bytes == 1024
+    for bad in ("0", "lots"):
+        with pytest.raises(ConfigError) as error:
+            GatewaySettings.from_env({"GATEWAY_MAX_BODY_BYTES": bad})
+        assert "GATEWAY_MAX_BODY_BYTES" in error.value.message
 
 
-def test_openai_shapes_use_reasoning_and_the_task_id() -> None:
-    chat = OpenAIShape(model="asked", chat=True, include_usage=True, created=7)
-    whole = decode(chat.whole(DONE))
-    assert whole["id"] == "chatcmpl-t-1" and whole["object"] == "chat.completion"
-    assert whole["choices"][0]["message"]["reasoning"] == "six sevens"
-    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+@pytest.mark.parametrize(
+    ("raw", "model"),
+    [(body(model="m"), "m"), (body(name="n"), "n"), (b"{oops", ""), (body(model=3), ""), (b"", "")],
+)
+def test_the_model_a_body_names(raw: bytes, model: str) -> None:
+    assert common.model_named(raw) == model
 
-    piece = chat.piece(StreamChunk(task_id="t-1", seq=1, response="4"))
-    assert piece is not None and piece.startswith(b"data: ")
-    assert decode(piece[6:])["choices"][0]["delta"]["content"] == "4"
-    ending = chat.end(DONE).split(b"\n\n")
-    assert ending[-2] == b"data: [DONE]"
-    assert decode(ending[1][6:])["usage"]["total_tokens"] == 8
 
-    legacy = OpenAIShape(model="asked", chat=False)
-    assert legacy.piece(StreamChunk(task_id="t", seq=1, thinking="x")) is None  # dropped
-    assert decode(legacy.whole(DONE))["choices"][0]["text"] == "42"
-    assert decode(chat.error(503, "no_worker", "busy"))["error"] == {
-        "message": "busy",
-        "type": "api_error",
-        "param": None,
-        "code": "no_worker",
-    }
+def test_a_reply_without_vectors_is_the_workers_failure() -> None:
+    with pytest.raises(ApiError) as failed:
+        common.vectors(DONE)
+    assert (failed.value.status, failed.value.code) == (502, "backend_error")
+
+
+# -- the task API -------------------------------------------------------------------------------
+
+
+def test_the_task_api_takes_the_bus_body_and_refuses_typos() -> None:
+    assert task_route(body(prompt="p", model="m", wait=True)).wait
+    with pytest.raises(ApiError):
+        task_route(body(prompt="p", model="m", wiat=True))
 
 
 def test_the_task_shape_is_the_bus_shape() -> None:
@@ -262,171 +230,3 @@ def test_the_task_shape_is_the_bus_shape() -> None:
     assert decode(shape.error(400, "bad_request", "no")) == {
         "error": {"code": "bad_request", "message": "no"}
     }
-
-
-# -- the fleet as model lists ----------------------------------------------------------------------
-
-
-def worker(worker_id: str, models: list[str], **fields: Any) -> WorkerView:
-    defaults: dict[str, Any] = {"host": "h", "tier": "cpu", "state": "idle", "last_heartbeat": 1e9}
-    return WorkerView(worker_id=worker_id, models=models, **{**defaults, **fields})
-
-
-def test_tags_and_models_are_the_union_of_live_inference_workers() -> None:
-    fleet = [
-        worker("a", ["m1", "m2"]),
-        worker("b", ["m2", "m3"], tier="gpu"),
-        worker("web-1", ["summary"], tier="web"),
-    ]
-    tags = decode(convert.ollama_tags(fleet))["models"]
-    assert [t["name"] for t in tags] == ["m1", "m2", "m3"]
-    assert tags[1]["workers"] == ["a", "b"]
-    assert [m["id"] for m in decode(convert.openai_models(fleet))["data"]] == ["m1", "m2", "m3"]
-
-
-def test_ps_lists_what_busy_workers_run() -> None:
-    fleet = [
-        worker("a", ["m1"], state="busy", current_task="t", current_model="m1"),
-        worker("b", ["m1", "m2"], state="busy", current_task="u", current_model="m1"),
-        worker("c", ["m2"]),
-    ]
-    running = decode(convert.ollama_ps(fleet))["models"]
-    assert [(m["name"], m["workers"]) for m in running] == [("m1", ["a", "b"])]
-    assert running[0]["expires_at"].endswith("Z")
-
-
-# -- Ollama's model management ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("raw", "expected"),
-    [
-        (body(model="m", prompt=""), Preload(model="m", chat=False, unload=False)),
-        (body(model="m"), Preload(model="m", chat=False, unload=False)),
-        (body(model="m", system="be brief"), Preload(model="m", chat=False, unload=False)),
-        (body(model="m", prompt="", keep_alive=0), Preload(model="m", chat=False, unload=True)),
-        (body(model="m", keep_alive="0s"), Preload(model="m", chat=False, unload=True)),
-        (body(model="m", keep_alive="500ms"), Preload(model="m", chat=False, unload=False)),
-        (body(model="m", keep_alive=-1), Preload(model="m", chat=False, unload=False)),
-    ],
-)
-def test_an_empty_prompt_is_a_preload(raw: bytes, expected: Preload) -> None:
-    assert convert.ollama_generate(raw, timeout_s=None) == expected
-
-
-@pytest.mark.parametrize(
-    ("raw", "expected"),
-    [
-        (body(model="m", messages=[]), Preload(model="m", chat=True, unload=False)),
-        # Ollama's CLI: ``"messages": null`` and a Go duration.
-        (body(model="m", messages=None), Preload(model="m", chat=True, unload=False)),
-        (body(model="m", keep_alive="0s"), Preload(model="m", chat=True, unload=True)),
-        # Ollama's chat compares whole seconds.
-        (body(model="m", keep_alive="500ms"), Preload(model="m", chat=True, unload=True)),
-        (body(model="m", keep_alive="5m"), Preload(model="m", chat=True, unload=False)),
-    ],
-)
-def test_a_chat_without_messages_is_a_preload(raw: bytes, expected: Preload) -> None:
-    assert convert.ollama_chat(raw, timeout_s=None) == expected
-
-
-@pytest.mark.parametrize(
-    ("value", "ns"),
-    [
-        (None, None),
-        (0, 0),
-        (0.0, 0),
-        (1.5, 1_500_000_000),
-        (-1, convert.FOREVER_NS),
-        ("0", 0),
-        ("-0", 0),
-        ("0s", 0),
-        ("5m", 300_000_000_000),
-        ("1h30m", 5_400_000_000_000),
-        ("1.5s", 1_500_000_000),
-        ("250ms", 250_000_000),
-        ("-5m", convert.FOREVER_NS),
-    ],
-)
-def test_keep_alive_is_read_as_ollama_reads_it(value: Any, ns: int | None) -> None:
-    assert convert.keep_alive_ns(value) == ns
-
-
-@pytest.mark.parametrize("value", ["", "5", "5 m", "m", ".s", "5x", True, [1], {"s": 1}])
-def test_a_bad_keep_alive_is_400(value: Any) -> None:
-    with pytest.raises(ApiError) as refused:
-        convert.keep_alive_ns(value)
-    assert (refused.value.status, refused.value.code) == (400, "bad_request")
-
-
-def test_show_and_pull_name_the_model_by_model_or_name() -> None:
-    assert convert.ollama_model_request(body(model="m"), "show").model == "m"
-    # Ollama's CLI sends both fields, one empty.
-    cli = convert.ollama_model_request(body(model="", name="m", options=None), "show")
-    assert cli == convert.ModelAsk(model="m", stream=True)
-    assert not convert.ollama_model_request(body(name="m", stream=False), "pull").stream
-    assert convert.ollama_model_request(body(model="m", stream=None), "pull").stream
-    for raw in (body(), body(model="", name=""), b"", b"[]"):
-        with pytest.raises(ApiError) as refused:
-            convert.ollama_model_request(raw, "show")
-        assert refused.value.status == 400
-
-
-def test_the_workers_serving_a_model_or_why_none_does() -> None:
-    fleet = [worker("a", ["m1"]), worker("b", ["m1", "m2"]), worker("web-1", ["s"], tier="web")]
-    assert [w.worker_id for w in convert.workers_serving("m1", fleet)] == ["a", "b"]
-
-    with pytest.raises(ApiError) as unknown:
-        convert.workers_serving("nope", fleet)
-    assert (unknown.value.status, unknown.value.message) == (404, "model 'nope' not found")
-    with pytest.raises(ApiError) as web_only:
-        convert.workers_serving("s", fleet)  # web-search workers take no inference tasks
-    assert web_only.value.status == 404
-    with pytest.raises(ApiError) as pulled:
-        convert.workers_serving("nope", fleet, pull=True)
-    assert pulled.value.status == 404
-    assert "cannot pull" in pulled.value.message and "/api/tags" in pulled.value.message
-    with pytest.raises(ApiError) as empty:
-        convert.workers_serving("m1", [worker("web-1", ["s"], tier="web")])
-    assert (empty.value.status, empty.value.code) == (503, "no_worker")
-
-
-def test_show_is_in_ollamas_shape() -> None:
-    shown = decode(convert.ollama_show("m1", [worker("a", ["m1"]), worker("b", ["m1"])]))
-    assert shown["details"] == {
-        "parent_model": "",
-        "format": "",
-        "family": "",
-        "families": None,
-        "parameter_size": "",
-        "quantization_level": "",
-    }
-    assert shown["capabilities"] == ["completion"]
-    assert shown["model_info"] == {"general.architecture": ""}
-    assert (shown["template"], shown["parameters"]) == ("", "")
-    assert shown["modelfile"].endswith("FROM m1\n") and "a, b" in shown["modelfile"]
-    assert shown["modified_at"].endswith("Z")
-    assert shown["workers"] == ["a", "b"]
-
-
-def test_pull_succeeds_at_once() -> None:
-    lines = convert.ollama_pull(stream=True).splitlines()
-    assert [decode(line) for line in lines] == [
-        {"status": "pulling manifest"},
-        {"status": "success"},
-    ]
-    assert decode(convert.ollama_pull(stream=False)) == {"status": "success"}
-
-
-def test_a_preload_is_answered_in_ollamas_shape() -> None:
-    loaded = decode(convert.ollama_preload(Preload(model="m", chat=False, unload=False), at=0))
-    assert loaded == {
-        "model": "m",
-        "created_at": "1970-01-01T00:00:00.000000Z",
-        "response": "",
-        "done": True,
-        "done_reason": "load",
-    }
-    unloaded = decode(convert.ollama_preload(Preload(model="m", chat=True, unload=True)))
-    assert unloaded["message"] == {"role": "assistant", "content": ""}
-    assert unloaded["done_reason"] == "unload" and "response" not in unloaded

@@ -33,7 +33,11 @@ def test_a_minimal_request_gets_defaults() -> None:
             "5 characters of text, over the limit of 4",
         ),
         (b'{"prompt": "", "model": "m", "task_type": "embedding"}', BadRequest, "needs input"),
-        (b'{"prompt": "", "model": "m", "task_type": "embedding", "input": []}', BadRequest, "input"),
+        (
+            b'{"prompt": "", "model": "m", "task_type": "embedding", "input": []}',
+            BadRequest,
+            "input",
+        ),
         (b'{"prompt": "hi", "model": "m", "input": ["a"]}', BadRequest, "embedding requests"),
         (
             b'{"prompt": "", "model": "m", "task_type": "embedding", "input": ["abc", "de"]}',

@@ -460,17 +460,27 @@ class OllamaBackend:
 def _message(message: ChatMessage) -> dict[str, Any]:
     """A turn in ``/api/chat``'s shape: tool calls as ``{"function": {"name", "arguments"}}``
     with the arguments an object (text from an OpenAI client that is a JSON object is
-    decoded; other text goes as it came, for Ollama to refuse in its words)."""
+    decoded; other text goes as it came, for Ollama to refuse in its words). Call ids go as
+    ``id`` and ``tool_call_id`` when the client gave them: newer Ollama versions read them,
+    older ones ignore fields they do not know."""
     shaped: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.images:
         shaped["images"] = message.images
     if message.tool_calls:
-        shaped["tool_calls"] = [
-            {"function": {"name": call.name, "arguments": _arguments(call.arguments)}}
-            for call in message.tool_calls
-        ]
+        shaped["tool_calls"] = [_call(call) for call in message.tool_calls]
     if message.tool_name:
         shaped["tool_name"] = message.tool_name
+    if message.tool_call_id:
+        shaped["tool_call_id"] = message.tool_call_id
+    return shaped
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    shaped: dict[str, Any] = {
+        "function": {"name": call.name, "arguments": _arguments(call.arguments)}
+    }
+    if call.id:
+        shaped["id"] = call.id
     return shaped
 
 

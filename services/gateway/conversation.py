@@ -1,0 +1,181 @@
+"""Conversations and the route requests they become, the same for Ollama's and OpenAI's APIs:
+roles, the conversation as one text (`chat_prompt`), images, output formats and tool calls.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+
+from schemas.route import ChatMessage, OutputFormat, RouteRequest, ToolCall
+from services.gateway.common import ApiError, encoder, require_model
+
+# Roles as the chat APIs name them -> the wire's; OpenAI's newer "developer" is a system prompt.
+_ROLES: Final[dict[str, Any]] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+_ROLE_LABELS: Final = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
+
+
+def message(role: str, content: str, **fields: Any) -> ChatMessage:
+    """One turn; roles compare case-insensitively, as Ollama reads them."""
+    wire_role = _ROLES.get(role.lower())
+    if wire_role is None:
+        raise ApiError(400, "bad_request", f"unknown message role {role!r}")
+    return ChatMessage(role=wire_role, content=content, **fields)
+
+
+def _turn_text(m: ChatMessage) -> str:
+    text = m.content
+    if m.images:
+        count = len(m.images)
+        text = f"{text} [{count} image{'s' if count > 1 else ''}]".lstrip()
+    for call in m.tool_calls or ():
+        text = f"{text} [calls {call.name}({arguments_text(call)})]".lstrip()
+    return text
+
+
+def chat_prompt(messages: Sequence[ChatMessage]) -> str:
+    """A conversation as one text, for statistics, the judge and workers that predate
+    ``messages``: a lone user message is itself; otherwise system messages first, then the
+    turns in order, each as ``Role: content``, blank-line separated, ending ``Assistant:``.
+    Images show as ``[N images]``, tool calls as ``[calls name({...})]``, a tool's result as
+    ``Tool (name): result``."""
+    if len(messages) == 1 and messages[0].role == "user":
+        return _turn_text(messages[0])
+    ordered = [m for m in messages if m.role == "system"] + [
+        m for m in messages if m.role != "system"
+    ]
+    turns = []
+    for m in ordered:
+        label = _ROLE_LABELS[m.role]
+        if m.role == "tool" and m.tool_name:
+            label = f"{label} ({m.tool_name})"
+        turns.append(f"{label}: {_turn_text(m)}")
+    return "\n\n".join([*turns, "Assistant:"])
+
+
+def conversation(messages: list[ChatMessage]) -> tuple[str, list[ChatMessage]]:
+    """The prompt text of ``messages`` and the messages; at least one must say something (a
+    text, an image or a tool call)."""
+    if not any(m.content.strip() or m.images or m.tool_calls for m in messages):
+        raise ApiError(400, "bad_request", "messages must hold at least one non-empty message")
+    return chat_prompt(messages), messages
+
+
+def route(
+    model: str, prompt: str, *, stream: bool, timeout_s: float | None, **work: Any
+) -> RouteRequest:
+    """A route request that waits for its task; ``work`` are `RouteRequest`'s work fields."""
+    require_model(model)
+    if not prompt.strip():
+        raise ApiError(400, "bad_request", "the prompt (or every message) is empty")
+    if not work.get("options"):
+        work["options"] = None
+    return RouteRequest(
+        prompt=prompt, model=model, wait=True, stream=stream, timeout_s=timeout_s, **work
+    )
+
+
+def check_images(images: list[str] | None, where: str = "") -> list[str] | None:
+    """Base64 images as Ollama takes them (no ``data:`` prefix); None for none."""
+    for index, image in enumerate(images or ()):
+        try:
+            base64.b64decode(image, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(
+                400,
+                "bad_request",
+                f"invalid image: {where}images[{index}] is not base64 data (send the image's "
+                "bytes base64-encoded, without a data: prefix)",
+            ) from None
+    return images or None
+
+
+def output_format(value: Any) -> OutputFormat | None:
+    """Ollama's ``format``: ``"json"``, a JSON schema object, or none (absent, null, ``""``);
+    anything else is refused in Ollama's words."""
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return "json"
+    if isinstance(value, dict):
+        return value
+    shown = encoder.encode(encoder.encode(value).decode()).decode()
+    raise ApiError(
+        400,
+        "bad_request",
+        f'invalid format: {shown}; expected "json" or a valid JSON Schema object',
+    )
+
+
+_THINK_LEVELS: Final = ("high", "medium", "low", "max")
+
+
+def think(value: bool | str | None) -> bool | str | None:
+    """Ollama's ``think``: true, false, or a level; another string is refused in Ollama's
+    words (before a task is routed, not as a backend failure)."""
+    if isinstance(value, str) and value not in _THINK_LEVELS:
+        raise ApiError(
+            400,
+            "bad_request",
+            f'invalid think value: "{value}" (must be "high", "medium", "low", "max", true,'
+            " or false)",
+        )
+    return value
+
+
+# -- tool calls ---------------------------------------------------------------------------------
+
+
+def arguments_of(text: str) -> dict[str, Any] | str:
+    """OpenAI's ``arguments`` text as the JSON object it holds, or the text as it came when it
+    is not one (OpenAI's API allows any text; the model sees it unchanged)."""
+    try:
+        parsed = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
+    return parsed if isinstance(parsed, dict) else text
+
+
+def arguments_text(call: ToolCall) -> str:
+    """A call's arguments as OpenAI's JSON text (compact, keys in the model's order)."""
+    if isinstance(call.arguments, str):
+        return call.arguments
+    return encoder.encode(call.arguments).decode()
+
+
+def call_id(call: ToolCall, task_id: str, position: int) -> str:
+    """The call's own id, else one stable for its task and position: a client that sends the
+    conversation back names the same call the same way."""
+    return call.id or f"call_{task_id}_{position}"
+
+
+def embedding_route(
+    model: str, inputs: list[str], *, timeout_s: float | None, **work: Any
+) -> RouteRequest:
+    """One embedding task for the whole batch: ``input`` the texts (one vector each, in
+    order), ``prompt`` them joined, as the router would join them, for statistics."""
+    require_model(model)
+    if not work.get("options"):
+        work["options"] = None
+    return RouteRequest(
+        prompt="\n".join(inputs),
+        model=model,
+        task_type="embedding",
+        input=inputs,
+        wait=True,
+        stream=False,
+        timeout_s=timeout_s,
+        **work,
+    )
