@@ -79,12 +79,17 @@ def name_variants(name: str) -> tuple[str, ...]:
     return (name,)
 
 
-def resolve_name(name: str, known: Callable[[str], bool]) -> str:
-    """The first of `name_variants` that ``known`` accepts; ``name`` itself when none is."""
-    for variant in name_variants(name):
-        if known(variant):
-            return variant
-    return name
+def resolve_name(
+    asked: str, known: Callable[[str], bool], canonical: Callable[[str], str] = str
+) -> str:
+    """The name a request for ``asked`` is served as: each of its `name_variants` through the
+    aliases (``canonical``), each result's variants in turn, the first that ``known``
+    accepts; else ``asked``'s canonical name. The router and the gateway both resolve so."""
+    for variant in name_variants(asked):
+        for name in name_variants(canonical(variant)):
+            if known(name):
+                return name
+    return canonical(asked)
 
 
 def needed_capabilities(

@@ -28,7 +28,7 @@ from schemas.models import (
     VISION,
     ModelDetails,
     ModelFacts,
-    name_variants,
+    resolve_name,
 )
 from schemas.queries import WorkerView
 from services.gateway.common import KEEP_ALIVE_S, ApiError, encoder, iso_now, refusal_status
@@ -130,11 +130,7 @@ def resolve(asked: str, served: Mapping[str, object], aliases: Mapping[str, str]
     """The served name a request for ``asked`` means, as the router resolves it: a bare name is
     its ``:latest`` (and a ``:latest`` the bare name a server may list), each variant through
     the aliases; ``asked`` itself when none is served."""
-    for variant in name_variants(asked):
-        canonical = aliases.get(variant, variant)
-        if canonical in served:
-            return canonical
-    return aliases.get(asked, asked)
+    return resolve_name(asked, served.__contains__, lambda name: aliases.get(name, name))
 
 
 def serving(

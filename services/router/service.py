@@ -36,7 +36,7 @@ from schemas.events import (
     encoder,
     task_event_decoder,
 )
-from schemas.models import EMBEDDING, name_variants
+from schemas.models import EMBEDDING, resolve_name
 from schemas.queries import WorkersReply, WorkerView
 from schemas.route import (
     CHUNK_HEADER,
@@ -358,11 +358,7 @@ class Router:
         known = {
             m for r in (*self.view.workers.values(), *self.view.sleepers.values()) for m in r.models
         }
-        for variant in name_variants(asked):
-            canonical = self.aliases.canonical(variant)
-            if canonical in known:
-                return canonical
-        return self.aliases.canonical(asked)
+        return resolve_name(asked, known.__contains__, self.aliases.canonical)
 
     def _check_size(self, request: RouteRequest) -> None:
         """Refuse a request whose task message would not fit in one NATS message, instead of

@@ -3,10 +3,14 @@ OpenAI-compatible backend, asked through the official ``openai`` and ``ollama`` 
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import ollama
 import openai
+import pydantic
+import pytest
 from nats.aio.client import Client
 
 from tests.harness import ServiceRunner, workers_live
@@ -64,3 +68,77 @@ async def test_a_real_model_chats_through_the_gateway(
     assert "".join(pieces) == text  # temperature 0: the same answer, streamed
     assert (chatted.message.content or "").strip()
     assert chatted.eval_count and chatted.eval_count > 0
+
+
+# llama.cpp's server with vectors and a tools-aware chat template (module-scoped as well).
+llama_tools_server = test_real_model.llama_tools_server
+
+
+WEATHER_TOOLS: Any = [test_real_model.WEATHER_TOOL]
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+    retired: bool
+
+
+async def test_a_real_model_embeds_follows_a_schema_and_calls_a_tool_through_the_gateway(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner, llama_tools_server: str
+) -> None:
+    """What the issue of a front door is judged by, with the official clients and a real
+    model: vectors (Ollama's and OpenAI's endpoints), structured output that validates, and
+    a tool call in the shape llama.cpp produces, all routed as tasks."""
+    runner.router(nats_server.url)
+    runner.worker(
+        nats_server.url,
+        "http://unused",
+        "llama",
+        worker_backend="openai",
+        openai_base_url=llama_tools_server,
+    )
+    url = await start_gateway(runner, nats_server.url)
+    await workers_live(nc, 1, timeout_s=120)
+
+    async with ollama.AsyncClient(host=url) as client:
+        shown = await client.show(MODEL)
+        embedded = await client.embed(model=MODEL, input=["the cat sat", "stock prices fell"])
+    assert shown.capabilities is not None
+    assert {"completion", "tools", "embedding"} <= set(shown.capabilities)
+    assert [len(v) for v in embedded.embeddings] == [576, 576]
+    assert all(math.isclose(math.hypot(*v), 1.0, rel_tol=1e-3) for v in embedded.embeddings)
+
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as ai:
+        # The client asks for base64 and decodes it itself.
+        vectors = await ai.embeddings.create(model=MODEL, input=["the cat sat"])
+        parsed = await ai.chat.completions.parse(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            response_format=Person,
+            max_tokens=96,
+            temperature=0,
+        )
+        called = await ai.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "user", "content": "What is the weather in Paris? Use the tool."},
+                # SmolLM2-135M does not start a call by itself: its turn is begun for it.
+                {"role": "assistant", "content": "<tool_call>\n"},
+            ],
+            tools=WEATHER_TOOLS,
+            tool_choice="required",
+            stop=["</tool_call>"],
+            max_tokens=48,
+            temperature=0,
+        )
+
+    assert vectors.data[0].embedding == pytest.approx(embedded.embeddings[0], abs=1e-6)
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person)
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls is not None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    assert call.id

@@ -74,6 +74,14 @@ def test_resolution_takes_the_first_variant_that_is_served() -> None:
     assert resolve_name("nomic-embed-text", served.__contains__) == "nomic-embed-text:latest"
     assert resolve_name("smollm2:latest", served.__contains__) == "smollm2"
     assert resolve_name("unknown", served.__contains__) == "unknown"
+    # Through aliases, both ways: an alias to a bare name that is served as :latest.
+    aliases = {"embedder": "nomic-embed-text", "old:latest": "smollm2:latest"}
+    canonical = lambda name: aliases.get(name, name)  # noqa: E731
+    assert resolve_name("embedder:latest", served.__contains__, canonical) == (
+        "nomic-embed-text:latest"
+    )
+    assert resolve_name("old", served.__contains__, canonical) == "smollm2"
+    assert resolve_name("gone", served.__contains__, canonical) == "gone"
 
 
 def test_what_a_request_needs() -> None:
