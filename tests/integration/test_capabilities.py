@@ -369,3 +369,43 @@ async def test_coordinator_embed_prints_one_vector_per_text(
     assert (
         "unsupported_capability" in failed.stderr and "does not support embedding" in failed.stderr
     )
+
+
+async def test_the_gateway_refuses_what_a_smaller_nats_limit_cannot_carry_with_a_413(
+    able: FakeOllama, runner: ServiceRunner
+) -> None:
+    """A fleet whose nats-server keeps a lower max_payload than the shipped 8 MB: a body under
+    the gateway's own limit but over the server's is a 413 in the API's shape, never a 500."""
+    import httpx
+    import nats
+
+    from tests.integration.test_gateway import start_gateway
+
+    with tempfile.TemporaryDirectory(prefix="coord-small-") as store:
+        server = small_server(store, 64 * 1024)
+        try:
+            nc = await nats.connect(server.url)
+            runner.router(server.url)
+            runner.worker(server.url, able.url, "cpu-1")
+            url = await start_gateway(runner, server.url)
+            await records(nc, 1)
+            image = base64.b64encode(os.urandom(100_000)).decode()
+            async with httpx.AsyncClient(base_url=url) as http:
+                big = await http.post(
+                    "/api/chat",
+                    json={
+                        "model": CHAT,
+                        "stream": False,
+                        "messages": [{"role": "user", "content": "what?", "images": [image]}],
+                    },
+                )
+                small = await http.post(
+                    "/api/generate", json={"model": CHAT, "prompt": "1+1", "stream": False}
+                )
+            assert big.status_code == 413
+            assert "max_payload of 65536 bytes" in big.json()["error"]
+            assert small.status_code == 200 and small.json()["response"] == "2"
+            await nc.close()
+        finally:
+            await runner.stop_all()
+            server.stop()
