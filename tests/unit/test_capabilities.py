@@ -76,7 +76,10 @@ def test_resolution_takes_the_first_variant_that_is_served() -> None:
     assert resolve_name("unknown", served.__contains__) == "unknown"
     # Through aliases, both ways: an alias to a bare name that is served as :latest.
     aliases = {"embedder": "nomic-embed-text", "old:latest": "smollm2:latest"}
-    canonical = lambda name: aliases.get(name, name)  # noqa: E731
+
+    def canonical(name: str) -> str:
+        return aliases.get(name, name)
+
     assert resolve_name("embedder:latest", served.__contains__, canonical) == (
         "nomic-embed-text:latest"
     )
