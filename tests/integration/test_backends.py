@@ -235,11 +235,12 @@ async def test_a_conversation_with_tool_calls_and_results_goes_in_ollamas_shape(
             "content": "",
             "tool_calls": [
                 {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-                {"function": {"name": "get_time", "arguments": {"city": "Paris"}}},
+                # A call id goes along when the client gave one (newer Ollamas read it).
+                {"function": {"name": "get_time", "arguments": {"city": "Paris"}}, "id": "call_9"},
             ],
         },
         {"role": "tool", "content": "sunny", "tool_name": "get_weather"},
-        {"role": "tool", "content": "noon", "tool_name": "get_time"},
+        {"role": "tool", "content": "noon", "tool_name": "get_time", "tool_call_id": "call_9"},
     ]
     assert result.response.startswith("Based on the tool result")
     assert result.tool_calls is None
