@@ -360,11 +360,13 @@ class Router:
         }
         return resolve_name(asked, known.__contains__, self.aliases.canonical)
 
-    def _check_size(self, request: RouteRequest) -> None:
+    def _check_size(self, body_bytes: int) -> None:
         """Refuse a request whose task message would not fit in one NATS message, instead of
-        failing on publish: images and long conversations are megabytes."""
+        failing on publish: images and long conversations are megabytes. The task is the
+        request's fields plus ids and times, so the body's size (no second encoding) plus
+        `TASK_OVERHEAD_BYTES` bounds it."""
         limit = self.nc.max_payload
-        size = len(encoder.encode(request)) + TASK_OVERHEAD_BYTES
+        size = body_bytes + TASK_OVERHEAD_BYTES
         if size > limit:
             raise TooLarge(
                 f"the request is {size} bytes as a task, over the NATS server's max_payload of "
@@ -406,7 +408,7 @@ class Router:
         if request.task_type == "embedding" and request.domain is None:
             # Embeddings have figures of their own, apart from any generation's.
             request = msgspec.structs.replace(request, domain=EMBEDDING)
-        self._check_size(request)
+        self._check_size(len(body))
         now = time.time()
         if now >= self._next_expiry:
             # A scan of every task in flight: once a second is plenty for ages of minutes.
