@@ -35,8 +35,8 @@ from schemas.events import Durations, Tokens
 from schemas.models import COMPLETION, EMBEDDING, THINKING, TOOLS, VISION, ModelDetails, ModelFacts
 from schemas.route import ChatMessage, DoneReason, OutputFormat, ToolCall
 from schemas.vectors import pack
+from services.backends import Embedding, Generation, OnChunk, Progress, drain
 from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
-from services.worker.backends import Embedding, Generation, OnChunk, Progress, drain
 
 log = structlog.get_logger("worker")
 
