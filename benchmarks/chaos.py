@@ -4,7 +4,7 @@
                                          [--kill-every 2] [--seed N]
 
 It starts its own nats-server (the pinned wheel's, temporary store), one Ollama stand-in per
-worker (``tests/fakes/ollama.py``, answering in ``--backend-delay`` seconds, each counting how
+worker (``devtools/fakes/ollama.py``, answering in ``--backend-delay`` seconds, each counting how
 many generations it ran at once), and the services as separate processes, configured by the
 environment only and with their default settings: ``coordinator router``, ``coordinator
 reaper`` and ``--workers`` × ``coordinator worker``. Clients submit ``--tasks`` tasks spread
@@ -50,6 +50,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import running_nats
 from schemas.events import (
     TaskCompleted,
     TaskFailed,
@@ -63,8 +65,6 @@ from schemas.route import RouteReply, RouteRequest
 from schemas.subjects import EVENTS_STREAM, ROUTE, TASKS_STREAM, WORKERS
 from schemas.tasks import TaskMessage
 from services.runtime.bus import ensure_streams
-from tests.fakes.ollama import FakeOllama
-from tests.servers import running_nats
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 COORDINATOR: Final = str(Path(sys.executable).parent / "coordinator")

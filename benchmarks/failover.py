@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.failover [--trials 5]
 
 It starts its own nats-server (the pinned wheel's, temporary store), two Ollama stand-ins
-(``tests/fakes/ollama.py``, each generation taking ``--task-seconds``) and, as separate
+(``devtools/fakes/ollama.py``, each generation taking ``--task-seconds``) and, as separate
 processes with their default settings (heartbeat 1 s, ``WORKER_TTL_S`` 3 s, the reaper
 looking every second): ``coordinator router``, ``coordinator reaper`` and two ``coordinator
 worker``. Each trial submits one task, waits until a worker has started it, kills that worker
@@ -37,13 +37,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from benchmarks.chaos import COORDINATOR, MODEL, Service
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import running_nats
 from schemas.events import TaskCompleted, TaskEvent, TaskStarted, task_event_decoder
 from schemas.route import RouteReply, RouteRequest
 from schemas.subjects import ROUTE, WORKERS
 from services.runtime.bus import ensure_streams
 from services.runtime.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_WORKER_TTL_S
-from tests.fakes.ollama import FakeOllama
-from tests.servers import running_nats
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 TARGET_S: Final = 5.0

@@ -44,7 +44,7 @@ import httpx
 import msgspec
 import nats
 
-from tests.servers import free_port, running_nats, wait_for_port
+from devtools.servers import free_port, running_nats, wait_for_port
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 ROOT: Final = Path(__file__).resolve().parent.parent
@@ -196,7 +196,7 @@ def run(requests: int, workers: int, clients: int, seconds: float) -> dict[str, 
         gateway = f"http://127.0.0.1:{gateway_port}"
         standin = stack.enter_context(
             process(
-                [sys.executable, "-m", "tests.fakes.ollama", "--port", str(ollama_port)],
+                [sys.executable, "-m", "devtools.fakes.ollama", "--port", str(ollama_port)],
                 environment(),
             )
         )

@@ -29,6 +29,7 @@ from typing import Final
 import asyncpg
 import nats
 
+from devtools.servers import Postgres, running_nats
 from schemas.events import (
     AliasSet,
     AnyEvent,
@@ -48,7 +49,6 @@ from schemas.events import (
 from services.runtime.bus import ensure_streams
 from services.stats.rebuild import rebuild
 from services.stats.store import Store
-from tests.servers import Postgres, running_nats
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 TARGET_EVENTS_PER_S: Final = 5000.0

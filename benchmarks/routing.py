@@ -28,7 +28,7 @@ from functools import partial
 from typing import Any, Final
 
 from schemas.workers import WorkerRecord
-from services.router import policy
+from services.fleet import liveness, policy
 from services.router.view import Figure, FleetView
 
 TARGET_MS: Final = 1.0
@@ -75,14 +75,14 @@ def fleet(size: int) -> FleetView:
 
 def parts(view: FleetView) -> dict[str, Callable[[], Any]]:
     """Each step of one decision, as the router runs them (the later ones on fixed inputs)."""
-    live = policy.live(view.workers.values(), NOW, TTL_S)
+    live = liveness.live(view.workers.values(), NOW, TTL_S)
     candidates = [w.worker_id for w in live if MODEL in w.models]
     depth = view.depth()
     typical = view.typical_ms(MODEL, DOMAIN, candidates)
     failures = view.failure_rate(MODEL, DOMAIN, candidates)
     return {
         "expire": lambda: view.expire(NOW, MAX_AGE_S),
-        "live": lambda: policy.live(view.workers.values(), NOW, TTL_S),
+        "live": lambda: liveness.live(view.workers.values(), NOW, TTL_S),
         "candidates": lambda: [w.worker_id for w in live if MODEL in w.models],
         "depth": view.depth,
         "typical_ms": lambda: view.typical_ms(MODEL, DOMAIN, candidates),
@@ -96,7 +96,7 @@ def parts(view: FleetView) -> dict[str, Callable[[], Any]]:
 def decide(view: FleetView) -> policy.Decision:
     """One whole decision, as `Router.handle_route` makes it."""
     view.expire(NOW, MAX_AGE_S)
-    live = policy.live(view.workers.values(), NOW, TTL_S)
+    live = liveness.live(view.workers.values(), NOW, TTL_S)
     candidates = [w.worker_id for w in live if MODEL in w.models]
     return policy.choose(
         MODEL,

@@ -1,7 +1,7 @@
 """The whole stack as separate processes, for the end-to-end benchmarks, and what they cost.
 
 `Stack` starts, on loopback only: a nats-server from the pinned wheel (free port, temporary
-store), an Ollama stand-in (`benchmarks.standin`, instant; or ``tests/fakes/ollama.py`` with
+store), an Ollama stand-in (`benchmarks.standin`, instant; or ``devtools/fakes/ollama.py`` with
 ``standin="fake"``), a scratch PostgreSQL database (the machine's server on 127.0.0.1:5432
 when it answers, else an embedded one, as the tests do), then ``coordinator stats serve``,
 ``coordinator router`` and N ``coordinator worker`` processes configured by the environment
@@ -37,10 +37,10 @@ import msgspec
 import nats
 from nats.aio.client import Client
 
+from devtools.servers import NatsServer, Postgres, free_port, wait_for_port
 from schemas.queries import WorkersReply
 from schemas.route import RouteReply, RouteRequest
 from schemas.subjects import EVENTS_STREAM, ROUTE, STATS, WORKERS
-from tests.servers import NatsServer, Postgres, free_port, wait_for_port
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
@@ -169,7 +169,7 @@ class Stack:
         assert self.nats.proc is not None
         port = free_port()
         self.standin_url = f"http://127.0.0.1:{port}"
-        cmd = "benchmarks.standin" if self.standin == "instant" else "tests.fakes.ollama"
+        cmd = "benchmarks.standin" if self.standin == "instant" else "devtools.fakes.ollama"
         self._spawn("standin", "standin", [sys.executable, "-m", cmd, "--port", str(port)], {})
         wait_for_port(port)
         if self.with_stats:

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.standin --port P [--pieces 2]
 
-``tests/fakes/ollama.py`` is faithful (every endpoint, knobs, a thread per connection, JSON
+``devtools/fakes/ollama.py`` is faithful (every endpoint, knobs, a thread per connection, JSON
 built per line) and costs about as much CPU per generation as the service under test, which
 would hide the figure being measured; this one answers only what a worker calls on its hot
 path (``/api/tags``, streamed ``/api/generate`` and ``/api/chat``) on one asyncio loop, with

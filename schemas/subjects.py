@@ -57,6 +57,16 @@ WEB_QUEUE: Final = "tasks.web"
 # Names that are queue tokens of their own and so cannot be worker ids.
 RESERVED_WORKER_IDS: Final = frozenset({"shared", "web"})
 
+# Durable consumer names: the services create them, the reaper and `coordinator doctor` look
+# them up, and the NATS permissions (`coordinator deploy`) name them.
+# The consumer every CPU worker binds for ``tasks.cpu.shared``.
+SHARED_CONSUMER: Final = "cpu-shared"
+# The consumer every web-search worker binds for ``tasks.web``.
+WEB_CONSUMER: Final = "web"
+# The stats service's projection of ``EVENTS``.
+STATS_CONSUMER: Final = "stats"
+_WORKER_CONSUMER_PREFIX: Final = "worker-"
+
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
@@ -127,3 +137,26 @@ def quality_event(task_id: str, kind: str) -> str:
 def bench_event(run_id: str, kind: str) -> str:
     """``events.bench.<run_id>.<kind>``."""
     return f"events.bench.{check_token('run id', run_id)}.{check_token('event kind', kind)}"
+
+
+def worker_consumer(worker_id: str) -> str:
+    """``worker-<id>``: the durable consumer of one inference worker's own queues."""
+    return f"{_WORKER_CONSUMER_PREFIX}{worker_id}"
+
+
+def worker_of_consumer(name: str) -> str | None:
+    """The worker id a `worker_consumer` name belongs to; None for any other consumer."""
+    return (
+        name.removeprefix(_WORKER_CONSUMER_PREFIX)
+        if name.startswith(_WORKER_CONSUMER_PREFIX)
+        else None
+    )
+
+
+def queue_consumer(queue: str) -> str:
+    """The consumer that delivers ``queue``: the shared pools' own, else its worker's."""
+    if queue == SHARED_CPU_QUEUE:
+        return SHARED_CONSUMER
+    if queue == WEB_QUEUE:
+        return WEB_CONSUMER
+    return worker_consumer(queue.rsplit(".", 1)[-1])

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from tests.servers import NatsServer, Postgres, running_nats
+from devtools.servers import NatsServer, Postgres, running_nats
 
 
 @pytest.fixture

@@ -30,18 +30,23 @@ from schemas.subjects import (
     REAPER_SERVICE,
     REAPER_STATUS,
     ROUTE,
+    SHARED_CONSUMER,
     SHARED_CPU_QUEUE,
     STATS,
     STATS_BUCKET,
+    STATS_CONSUMER,
     TASK,
     TASKS_STREAM,
+    WEB_CONSUMER,
     WEB_QUEUE,
     WORKERS,
     WORKERS_BUCKET,
     InvalidId,
     check_worker_id,
+    worker_consumer,
     worker_queue_filter,
 )
+from services.fleet.liveness import is_fresh
 from services.runtime.errors import ConfigError
 from services.runtime.settings import (
     GatewaySettings,
@@ -75,16 +80,6 @@ MICRO_SERVICES: Final = {
 }
 # Roles with one process per WORKER_ID: a systemd template unit whose instance is the id.
 PER_WORKER: Final = frozenset({"worker", "web-search"})
-
-# Consumer names the services use (kept in step with the services by tests/unit/test_deploy.py).
-SHARED_CONSUMER: Final = "cpu-shared"
-WEB_CONSUMER: Final = "web"
-STATS_CONSUMER: Final = "stats"
-
-
-def worker_consumer(worker_id: str) -> str:
-    return f"worker-{worker_id}"
-
 
 # -- NATS users and permissions ---------------------------------------------------------------
 
@@ -502,6 +497,10 @@ async def check_health(role: str, env: Mapping[str, str] | None = None) -> str:
 
 
 async def _registry_health(nc: Any, settings: WorkerSettings | WebSearchSettings) -> str:
+    """What is wrong with this host's worker's registry entry, or "" when it is fresh.
+
+    Freshness only (`is_fresh`): a worker that is stopping is still this host's, healthy.
+    """
     import msgspec
     from nats.js.errors import KeyNotFoundError, NotFoundError
 
@@ -513,9 +512,9 @@ async def _registry_health(nc: Any, settings: WorkerSettings | WebSearchSettings
         record = worker_record_decoder.decode(entry.value or b"")
     except (KeyNotFoundError, NotFoundError, msgspec.DecodeError):
         return f"worker {settings.worker_id} is not registered"
-    age = time.time() - record.heartbeat_at
-    if age > settings.worker_ttl_s:
-        return f"worker {settings.worker_id}: last heartbeat {age:.0f} s ago"
+    now = time.time()
+    if not is_fresh(record.heartbeat_at, now, settings.worker_ttl_s):
+        return f"worker {settings.worker_id}: last heartbeat {now - record.heartbeat_at:.0f} s ago"
     if record.host != settings.worker_host:
         return f"worker {settings.worker_id} runs on {record.host}, not here"
     return ""

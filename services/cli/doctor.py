@@ -36,11 +36,15 @@ from schemas.subjects import (
     EVENTS_STREAM,
     EVENTS_SUBJECTS,
     STATS_BUCKET,
+    STATS_CONSUMER,
     TASKS_STREAM,
     TASKS_SUBJECTS,
     WORKERS_BUCKET,
+    worker_consumer,
+    worker_of_consumer,
 )
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
+from services.fleet.liveness import is_fresh, is_live
 from services.runtime.settings import default_worker_id
 
 EXIT_PROBLEM: Final = 1
@@ -106,10 +110,6 @@ def subject_matches(pattern: str, subject: str) -> bool:
     return len(parts) == len(tokens)
 
 
-def is_live(record: WorkerRecord, now: float, ttl_s: float) -> bool:
-    return now - record.heartbeat_at <= ttl_s and record.state != "stopping"
-
-
 def check_streams(found: Mapping[str, StreamInfo | None]) -> Check:
     expected: dict[str, tuple[str, RetentionPolicy | None]] = {
         TASKS_STREAM: (TASKS_SUBJECTS, RetentionPolicy.WORK_QUEUE),
@@ -134,10 +134,6 @@ def check_streams(found: Mapping[str, StreamInfo | None]) -> Check:
     return _verdict("streams", problems, ", ".join(summary) + ", buckets present")
 
 
-def worker_of_consumer(name: str) -> str | None:
-    return name.removeprefix("worker-") if name.startswith("worker-") else None
-
-
 def check_consumers(
     consumers: Mapping[str, Sequence[ConsumerInfo]],
     records: Sequence[WorkerRecord],
@@ -151,12 +147,16 @@ def check_consumers(
     problems: list[str] = []
     for record in records:
         inference = INFERENCE_CAPABILITIES.intersection(record.supports)
-        if record.worker_id in live and inference and f"worker-{record.worker_id}" not in tasks:
+        if (
+            record.worker_id in live
+            and inference
+            and worker_consumer(record.worker_id) not in tasks
+        ):
             problems.append(f"live worker {record.worker_id} has no consumer (not pulling)")
     for name, info in tasks.items():
         if worker_of_consumer(name) and (info.config.max_ack_pending or 0) > 1:
             problems.append(f"{name} allows {info.config.max_ack_pending} tasks in flight, not 1")
-    if not any(c.name == "stats" for c in consumers.get(EVENTS_STREAM, [])):
+    if not any(c.name == STATS_CONSUMER for c in consumers.get(EVENTS_STREAM, [])):
         problems.append("no 'stats' consumer on EVENTS: the stats service has not run")
     return _verdict("consumers", problems, f"{len(tasks)} on {TASKS_STREAM}, stats on EVENTS")
 
@@ -197,12 +197,13 @@ def check_ghost_queues(
 
 
 def check_registrations(records: Sequence[WorkerRecord], now: float, ttl_s: float) -> Check:
-    """Registry entries whose heartbeat is older than the TTL: the process is gone, or stuck."""
+    """Registry entries whose heartbeat is no longer fresh (`is_fresh`): the process is gone,
+    or stuck. A stopping worker's fresh entry is not stale, only not live."""
     problems = [
         f"{r.worker_id} on {r.host} (pid {r.pid}): last heartbeat {now - r.heartbeat_at:.0f} s "
         f"ago, TTL {ttl_s:g} s"
         for r in records
-        if now - r.heartbeat_at > ttl_s
+        if not is_fresh(r.heartbeat_at, now, ttl_s)
     ]
     live = sum(1 for r in records if is_live(r, now, ttl_s))
     return _verdict("stale registrations", problems, f"{live} worker(s) registered and fresh")

@@ -21,10 +21,11 @@ from schemas.models import COMPLETION, facts_in
 from schemas.subjects import ROUTE, TASK, WORKERS
 from services import __version__
 from services.cli import deploy, doctor, stats_commands
-from services.cli.client import RemoteError, call, open_client, stream_call
+from services.cli.client import open_client
 from services.runtime.errors import CoordinatorError
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.logging import setup_logging
+from services.runtime.request import RemoteError, call, stream_call
 from services.runtime.settings import (
     GatewaySettings,
     ReaperSettings,

@@ -48,8 +48,9 @@ from schemas.subjects import (
     STATS_INCLUDE,
     STATS_REBUILD,
 )
-from services.cli.client import call, find_nats_url, open_client
+from services.cli.client import find_nats_url, open_client
 from services.runtime.logging import setup_logging
+from services.runtime.request import call
 
 EXIT_FAILED = 1
 

@@ -5,10 +5,10 @@
 - A task the client asked a named worker for fails too: it is never silently rerouted (one
   its router never routed goes to that worker, if it is live).
 - A task already tried ``MAX_ATTEMPTS`` times fails (``too_many_attempts``).
-- Otherwise the router's own policy (`services.router.policy.choose`) picks another live
-  worker serving the model, any tier, never the one the finding names: the task is routed
-  again as attempt N+1. When there is none it fails with ``no alternative worker can serve
-  model '<m>' (reason=<reason>); single point of failure``.
+- Otherwise the routing policy the router applies (`services.fleet.policy.choose`) picks
+  another live worker serving the model, any tier, never the one the finding names: the task
+  is routed again as attempt N+1. When there is none it fails with ``no alternative worker
+  can serve model '<m>' (reason=<reason>); single point of failure``.
 
 Which attempt a failure belongs to: the attempt that could not run (N), except after a
 retryable failure, whose attempt N already has its outcome; the reaper's verdict is then
@@ -24,9 +24,10 @@ from typing import Final
 from schemas.models import DEFAULT_CAPABILITIES
 from schemas.tasks import is_retryable
 from schemas.workers import WorkerRecord
+from services.fleet.liveness import live
+from services.fleet.policy import Decision, choose
 from services.reaper.detectors import DEAD_WORKER, TaskFinding
 from services.reaper.view import TaskTrack
-from services.router.policy import Decision, choose, live
 from services.runtime.errors import NoWorker, UnsupportedCapability, WorkerLost
 
 # Codes of the failures the reaper records (`TaskFailed.code`).

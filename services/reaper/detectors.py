@@ -27,35 +27,18 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE
+from schemas.subjects import WEB_POOL, queue_consumer, worker_consumer
 from schemas.workers import WorkerRecord
+from services.fleet.liveness import is_live, live
+from services.fleet.policy import SHARED_WORKER
 from services.reaper.view import ConsumerHistory, Instance, TaskTrack
-from services.router.policy import SHARED_WORKER, live
 
 DEAD_WORKER: Final = "dead_worker"
 STUCK_TASK: Final = "stuck_task"
 GHOST_PENDING: Final = "ghost_pending"
 DUPLICATE_CONSUMER: Final = "duplicate_consumer"
 
-# Consumer names, as the workers create them (tests/unit/test_reaper_detectors.py checks that
-# they match services/worker and services/web_search).
-SHARED_CONSUMER: Final = "cpu-shared"
-WEB_CONSUMER: Final = "web"
 POOLS: Final = frozenset({SHARED_WORKER, WEB_POOL})
-
-
-def worker_consumer(worker_id: str) -> str:
-    """The durable consumer of one worker's own queues."""
-    return f"worker-{worker_id}"
-
-
-def queue_consumer(queue: str) -> str:
-    """The consumer that delivers ``queue``: the shared pools' own, else its worker's."""
-    if queue == SHARED_CPU_QUEUE:
-        return SHARED_CONSUMER
-    if queue == WEB_QUEUE:
-        return WEB_CONSUMER
-    return worker_consumer(queue.rsplit(".", 1)[-1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +142,7 @@ def dead_worker(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFinding 
         if snap.now - task.since <= th.dead_after_s:
             return None  # just routed: the registry's news may still be on its way
         detail = f"worker '{holder}' holds no lease (stopped, or its entry expired)"
-    elif not live([record], snap.now, th.dead_after_s):
+    elif not is_live(record, snap.now, th.dead_after_s):
         age = snap.now - record.heartbeat_at
         detail = (
             f"worker '{holder}' is stopping"
@@ -228,7 +211,7 @@ def ghost_pending(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFindin
         detail = f"queued on {task.queue} for {waited_s:.0f} s; {why}"
         return TaskFinding(task.task_id, task.attempt, GHOST_PENDING, None, detail)
     record = snap.workers.get(task.worker)
-    if record is None or not live([record], snap.now, th.dead_after_s) or record.state == "busy":
+    if record is None or not is_live(record, snap.now, th.dead_after_s) or record.state == "busy":
         return None  # a dead worker's task is `dead_worker`'s; a busy one gets to it in turn
     if idle_s <= th.ghost_after_s:
         return None

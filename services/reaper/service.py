@@ -49,9 +49,12 @@ from schemas.subjects import (
     REAPER_SERVICE,
     REAPER_STATUS,
     TASKS_STREAM,
+    queue_consumer,
+    worker_consumer,
 )
 from schemas.workers import worker_record_decoder
 from services import __version__
+from services.fleet.liveness import live
 from services.reaper.actions import Actions, QueueIndex, SubmissionLost, copies_up_to, queue_index
 from services.reaper.decisions import Fail, Move, decide
 from services.reaper.detectors import (
@@ -60,11 +63,8 @@ from services.reaper.detectors import (
     TaskFinding,
     Thresholds,
     detect,
-    queue_consumer,
-    worker_consumer,
 )
 from services.reaper.view import ConsumerSample, ReaperView, TaskTrack
-from services.router.policy import live
 from services.runtime.bus import connect, ensure_bucket, ensure_streams
 from services.runtime.endpoints import add_endpoint
 from services.runtime.lifecycle import TaskSet

@@ -63,7 +63,8 @@ from schemas.subjects import (
 from schemas.tasks import TaskMessage, is_retryable, needs_of, work_of
 from schemas.workers import WorkerRecord, worker_record_decoder
 from services import __version__
-from services.router import policy
+from services.fleet import liveness, policy
+from services.fleet.domains import classify_domain
 from services.router.view import Figure, FleetView
 from services.router.waiting import Waiter
 from services.router.wol import send_magic_packet
@@ -84,7 +85,6 @@ from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import RouterSettings
 from services.runtime.tracing import inject_context
 from services.runtime.watch import follow_bucket
-from services.stats.domains import classify_domain
 
 log = structlog.get_logger("router")
 
@@ -394,7 +394,7 @@ class Router:
                 facts=r.facts,
             )
             for r in sorted(
-                policy.live(self.view.workers.values(), now, self.settings.worker_ttl_s),
+                liveness.live(self.view.workers.values(), now, self.settings.worker_ttl_s),
                 key=lambda r: r.worker_id,
             )
         ]
@@ -414,7 +414,7 @@ class Router:
             # A scan of every task in flight: once a second is plenty for ages of minutes.
             self._next_expiry = now + EXPIRE_INTERVAL_S
             self.view.expire(now, max_age_s=self.settings.default_timeout_s + WAIT_MARGIN_S)
-        live = policy.live(self.view.workers.values(), now, self.settings.worker_ttl_s)
+        live = liveness.live(self.view.workers.values(), now, self.settings.worker_ttl_s)
         waking: WorkerRecord | None = None
         if request.task_type == "web_search":
             decision = policy.choose_web(live)

@@ -2,7 +2,7 @@
 
 Aliases are events (``events.stats.alias.set|removed``); a service that needs the map (router:
 request names; worker: served names) replays them from the stream at start and keeps
-following. The map itself and its rules live in `services.stats.aliases` (pure).
+following. The map itself and its rules live in `services.fleet.aliases` (pure).
 
 The ordered consumer is given a name, so its create request carries the filter in its subject
 (``$JS.API.CONSUMER.CREATE.EVENTS.<name>.events.stats.alias.>``): a worker's NATS user may
@@ -26,7 +26,7 @@ from nats.js.api import ConsumerConfig
 
 from schemas.events import ALIAS_EVENTS, AliasRemoved, AliasSet, any_event_decoder
 from schemas.subjects import EVENTS_STREAM
-from services.stats.aliases import resolve
+from services.fleet.aliases import resolve
 
 log = structlog.get_logger("aliases")
 

@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 
 from schemas.events import WorkerStopped
 from schemas.workers import WorkerRecord, worker_record_decoder
+from services.fleet.liveness import is_live
 from services.runtime.bus import is_wrong_last_sequence, publish_event
 from services.runtime.errors import CoordinatorError
 
@@ -62,8 +63,9 @@ class Lease:
             pass
         entry = await self.kv.get(self.worker_id)
         holder = worker_record_decoder.decode(entry.value or b"")
-        age = time.time() - holder.heartbeat_at
-        if age < self.ttl_s and holder.state != "stopping":
+        now = time.time()
+        if is_live(holder, now, self.ttl_s):
+            age = now - holder.heartbeat_at
             started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(holder.started_at))
             raise DuplicateWorker(
                 f"worker id '{self.worker_id}' is already running: host {holder.host}, "

@@ -47,11 +47,11 @@ from schemas.queries import WorkersReply
 from schemas.route import RouteReply, RouteRequest
 from schemas.stats import BaselinesQuery, BaselinesReply
 from schemas.subjects import EVENTS_STREAM, ROUTE, STATS_BASELINES, WORKERS, task_event
-from services.cli.client import RemoteError, call
+from services.fleet.domains import classify_domain
 from services.runtime.bus import publish_event
 from services.runtime.errors import ConfigError, CoordinatorError, NoWorker
+from services.runtime.request import RemoteError, call
 from services.stats.baseline import Comparison, PromptBaseline, Sample, compare
-from services.stats.domains import classify_domain
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1

@@ -31,6 +31,8 @@ from nats.js import JetStreamContext
 
 from schemas.events import QualityScored
 from schemas.subjects import EVENTS_STREAM, quality_event
+from services.backends.ollama import OllamaBackend
+from services.fleet.domains import classify_domain
 from services.runtime.bus import publish_event
 from services.runtime.errors import (
     BackendError,
@@ -41,11 +43,9 @@ from services.runtime.errors import (
     Unavailable,
 )
 from services.runtime.settings import Settings
-from services.stats.domains import classify_domain
 from services.stats.projection import TaskState
 from services.stats.store import Store
 from services.stats.verdict import judge_prompt, parse_verdict
-from services.worker.backends.ollama import OllamaBackend
 
 log = structlog.get_logger("judge")
 

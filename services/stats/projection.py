@@ -39,8 +39,8 @@ from schemas.events import (
 )
 from schemas.queries import TaskView
 from schemas.route import TaskStatus
+from services.fleet.domains import classify_domain
 from services.runtime.errors import Cancelled
-from services.stats.domains import classify_domain
 
 TERMINAL_STATUSES: frozenset[TaskStatus] = frozenset({"done", "failed"})
 

@@ -55,7 +55,7 @@ from schemas.events import (
     WorkerStopped,
 )
 from schemas.stats import RECENT_WINDOW
-from services.stats.aliases import resolve
+from services.fleet.aliases import resolve
 from services.stats.projection import Outcome, TaskState, evolve, outcome_of
 
 # Anything asyncpg's pool or a plain connection hands out.

@@ -83,6 +83,7 @@ from schemas.subjects import (
     STATS,
     STATS_BASELINES,
     STATS_BUCKET,
+    STATS_CONSUMER,
     STATS_EXCLUDE,
     STATS_EXCLUSIONS,
     STATS_INCLUDE,
@@ -92,13 +93,13 @@ from schemas.subjects import (
     check_token,
 )
 from services import __version__
+from services.fleet.aliases import check_alias
 from services.runtime.bus import connect, ensure_bucket, ensure_streams, publish_event
 from services.runtime.endpoints import add_endpoint
 from services.runtime.errors import BadRequest, CoordinatorError, NotFound, Unavailable
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import StatsSettings
 from services.runtime.tracing import extract_context, spans_recorded
-from services.stats.aliases import check_alias
 from services.stats.figures import kv_key, routing_figure
 from services.stats.projector import FigureKey
 from services.stats.rebuild import RebuildBusy, rebuild
@@ -107,7 +108,6 @@ from services.stats.store import Store, Unstorable
 log = structlog.get_logger("stats")
 tracer = trace.get_tracer("coordinator.stats")
 
-CONSUMER: Final = "stats"
 SERVICE_NAME: Final = "coordinator-stats"
 
 # An idle fetch returns after this long, which bounds how late a stop is noticed.
@@ -139,7 +139,7 @@ class Conflict(CoordinatorError):
 def consumer_config(*, max_ack_pending: int = 1000, ack_wait_s: float = 30.0) -> ConsumerConfig:
     """The durable ``stats`` consumer: every event from the start, acked one by one."""
     return ConsumerConfig(
-        durable_name=CONSUMER,
+        durable_name=STATS_CONSUMER,
         description="stats projection into PostgreSQL",
         filter_subject=EVENTS_SUBJECTS,
         deliver_policy=DeliverPolicy.ALL,
@@ -243,7 +243,7 @@ class StatsService:
         await self._ensure_consumer()
         # A stop (or crash) can leave figures behind their facts: bring them all in line.
         await self.store.refresh_figures()
-        self._sub = await self.js.pull_subscribe_bind(durable=CONSUMER, stream=EVENTS_STREAM)
+        self._sub = await self.js.pull_subscribe_bind(durable=STATS_CONSUMER, stream=EVENTS_STREAM)
         self._loop = asyncio.create_task(self._project(), name="stats-projection")
         self._publisher = asyncio.create_task(self._publish_figures(), name="stats-figures")
         self._service = await add_service(
@@ -266,7 +266,7 @@ class StatsService:
         ]
         for name, subject, handler in endpoints:
             await add_endpoint(self._service, name, subject, handler, self.tasks)
-        log.info("stats ready", consumer=CONSUMER, subjects=[s for _, s, _ in endpoints])
+        log.info("stats ready", consumer=STATS_CONSUMER, subjects=[s for _, s, _ in endpoints])
         if await self.store.predates_outcomes():
             log.warning(
                 "the figures do not count the tasks projected before this version; "

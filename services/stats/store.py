@@ -26,8 +26,8 @@ from asyncpg import Record
 from schemas.events import AnyEvent
 from schemas.queries import TaskView
 from schemas.stats import AliasView, ExclusionView, FigureView, StatsQuery
+from services.fleet.aliases import resolve
 from services.runtime.errors import CoordinatorError, Unavailable
-from services.stats.aliases import resolve
 from services.stats.projection import TaskState, to_view
 from services.stats.projector import (
     FIGURE_COLUMNS,

@@ -43,10 +43,13 @@ from schemas.events import (
     Tokens,
     WorkerRegistered,
 )
-from schemas.subjects import TASKS_STREAM, WEB_QUEUE
+from schemas.subjects import TASKS_STREAM, WEB_CONSUMER, WEB_QUEUE
 from schemas.tasks import TaskMessage
 from schemas.workers import WorkerRecord, worker_record_decoder
 from services import __version__
+from services.backends import Backend, Generation
+from services.backends.ollama import OllamaBackend
+from services.backends.openai import OpenAIBackend
 from services.runtime.bus import connect, ensure_streams, publish_event
 from services.runtime.errors import (
     BackendError,
@@ -68,9 +71,6 @@ from services.web_search.summary import (
     summary_prompt,
 )
 from services.web_search.takeover import Lost, Run, Wait, on_redelivery
-from services.worker.backends import Backend, Generation
-from services.worker.backends.ollama import OllamaBackend
-from services.worker.backends.openai import OpenAIBackend
 
 log = structlog.get_logger("web_search")
 
@@ -78,8 +78,6 @@ T = TypeVar("T")
 
 _task_decoder = msgspec.json.Decoder(TaskMessage)
 
-# The durable consumer every web worker binds ("worker-<id>" names the inference workers' own).
-WEB_CONSUMER = "web"
 # Tasks in flight across all web workers together; each worker holds at most one (or two for a
 # moment, when a fetch's message arrives just after the fetch gave up), so this allows dozens.
 WEB_MAX_ACK_PENDING = 64

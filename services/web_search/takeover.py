@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from schemas.events import TaskStarted
 from schemas.workers import WorkerRecord
+from services.fleet.liveness import is_live
 
 # Shortest wait before looking at a live starter again.
 MIN_RECHECK_S = 0.5
@@ -50,11 +51,13 @@ def on_redelivery(
     """Decide from the attempt's ``started`` event and its starter's registry entry (if any)."""
     if started is None:
         return Run()
-    if starter is not None and starter.worker_id == started.worker:
-        age = now - starter.heartbeat_at
-        on_it = starter.current_task == started.task_id and starter.state != "stopping"
-        if on_it and age < ttl_s:
-            return Wait(delay_s=max(ttl_s - age, MIN_RECHECK_S))
+    if (
+        starter is not None
+        and starter.worker_id == started.worker
+        and starter.current_task == started.task_id
+        and is_live(starter, now, ttl_s)
+    ):
+        return Wait(delay_s=max(ttl_s - (now - starter.heartbeat_at), MIN_RECHECK_S))
     return Lost(reason=lost_reason(started))
 
 

@@ -41,14 +41,19 @@ from schemas.route import CHUNK_HEADER, CancelRequest, StreamChunk, ToolCall
 from schemas.subjects import (
     ASLEEP_BUCKET,
     CANCEL_NOTICES,
+    SHARED_CONSUMER,
     SHARED_CPU_QUEUE,
     TASKS_STREAM,
     task_event,
+    worker_consumer,
     worker_queue_filter,
 )
 from schemas.tasks import TaskMessage, needs_of
 from schemas.workers import WorkerRecord
 from services import __version__
+from services.backends import Backend, Embedding, Generation, OnChunk, Progress
+from services.backends.ollama import OllamaBackend
+from services.backends.openai import OpenAIBackend
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import (
     connect,
@@ -70,9 +75,6 @@ from services.runtime.outcomes import KeepAlive, current_attempt, store_outcome,
 from services.runtime.pull import pull_one
 from services.runtime.settings import WorkerSettings
 from services.runtime.tracing import extract_context
-from services.worker.backends import Backend, Embedding, Generation, OnChunk, Progress
-from services.worker.backends.ollama import OllamaBackend
-from services.worker.backends.openai import OpenAIBackend
 from services.worker.idle import should_sleep
 
 log = structlog.get_logger("worker")
@@ -89,8 +91,6 @@ SANITY_PROMPT = "Reply with the single word OK."
 OUTCOME_HEADROOM_BYTES = 1024
 
 
-# The consumer every CPU worker binds for ``tasks.cpu.shared``.
-SHARED_CONSUMER = "cpu-shared"
 SHARED_MAX_ACK_PENDING = 1_000
 # Long-poll times: the own queue long (tasks for this worker), the shared one short (so a task
 # routed to this worker waits at most this long while the worker looks at the shared queue).
@@ -105,10 +105,6 @@ def _refused(claim: asyncio.Future[bool]) -> bool:
     if not claim.done() or claim.cancelled() or claim.exception() is not None:
         return False
     return not claim.result()
-
-
-def consumer_name(worker_id: str) -> str:
-    return f"worker-{worker_id}"
 
 
 class Worker:
@@ -268,7 +264,7 @@ class Worker:
 
     async def ensure_consumer(self) -> JetStreamContext.PullSubscription:
         """This worker's own queues: one task in flight, enforced by the server."""
-        name = consumer_name(self.settings.worker_id)
+        name = worker_consumer(self.settings.worker_id)
         return await self._bind(name, worker_queue_filter(self.settings.worker_id), 1)
 
     async def ensure_shared_consumer(self) -> JetStreamContext.PullSubscription | None:

@@ -8,9 +8,9 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from tests.fakes.ollama import FakeOllama
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from tests.harness import Processes, ServiceRunner
-from tests.servers import NatsServer
 
 
 @pytest.fixture

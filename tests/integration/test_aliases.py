@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.events import AliasSet
 from services.runtime.bus import ensure_streams, publish_event
-from tests.fakes.ollama import FakeOllama
 from tests.harness import ServiceRunner, eventually, request, workers_live
-from tests.servers import NatsServer
 
 SERVED = "hf.co/elyza/Llama-3-ELYZA-JP-8B-GGUF:Q4_K_M"
 CANONICAL = "elyza-jp-8b"

@@ -1,8 +1,8 @@
-"""The backends against the Ollama stand-in (`tests.fakes.ollama`): what each sends, what it
+"""The backends against the Ollama stand-in (`devtools.fakes.ollama`): what each sends, what it
 makes of the answers, how it names the failures.
 
-The Ollama backend speaks Ollama's own API, its generations over the small HTTP/1.1 client
-(``http1``) or, where that does not apply (a proxy configured, TLS), over httpx: both are run.
+The Ollama backend speaks Ollama's own API, every call over one aiohttp session (kept-alive
+connections; one given up midway is closed).
 The OpenAI backend speaks to the stand-in's ``/v1``, Ollama's OpenAI-compatible layer, a
 server with no llama.cpp ``/props``. What arrived is read back from the stand-in
 (``FakeOllama.last``).
@@ -10,7 +10,9 @@ server with no llama.cpp ``/props``. What arrived is read back from the stand-in
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import math
 from collections.abc import AsyncIterator, Iterator
@@ -19,14 +21,14 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import free_port
 from schemas.route import ChatMessage, ToolCall
 from schemas.vectors import unpack
+from services.backends import Generation
+from services.backends.ollama import OllamaBackend
+from services.backends.openai import OpenAIBackend
 from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
-from services.worker.backends import Generation
-from services.worker.backends.ollama import OllamaBackend
-from services.worker.backends.openai import OpenAIBackend
-from tests.fakes.ollama import FakeOllama
-from tests.servers import free_port
 
 CHAT = "qwen2.5:0.5b"  # takes tools
 PLAIN = "gemma3:1b"  # takes no tools
@@ -82,19 +84,15 @@ def fake() -> Iterator[FakeOllama]:
         yield served
 
 
-@pytest.fixture(params=["http1", "httpx"])
+@pytest.fixture
 async def ollama_backend(
-    request: pytest.FixtureRequest, fake: FakeOllama, monkeypatch: pytest.MonkeyPatch
+    fake: FakeOllama, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[OllamaBackend]:
-    """The Ollama backend on each of its two transports: a proxy in the environment turns
-    the HTTP/1.1 client off (`http1.usable_for`), and ``NO_PROXY`` keeps httpx direct."""
+    """The Ollama backend, straight to the stand-in (a proxy in the environment would be
+    taken, as httpx takes it)."""
     for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    if request.param == "httpx":
-        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{free_port()}")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     backend = OllamaBackend(fake.url)
-    assert (backend._lines is not None) == (request.param == "http1")
     yield backend
     await backend.aclose()
 
@@ -282,6 +280,109 @@ async def test_a_server_that_is_not_there_is_unavailable() -> None:
             await backend.embed(EMBEDDER, ["hi"], timeout_s=5)
     finally:
         await backend.aclose()
+
+
+async def test_every_call_keeps_one_connection(
+    ollama_backend: OllamaBackend, fake: FakeOllama
+) -> None:
+    """Generations read to their end, the model list and embeddings share one kept-alive
+    connection: a connection per task costs more than the rest of the request."""
+    for _ in range(3):
+        assert (await ollama_backend.generate(CHAT, "hi", options=None, timeout_s=10)).response
+    await ollama_backend.list_models()
+    await ollama_backend.embed(EMBEDDER, ["hi"], timeout_s=10)
+    await ollama_backend.generate(
+        CHAT, "hi", options=None, timeout_s=10, messages=[ChatMessage(role="user", content="hi")]
+    )
+    assert fake.stats()["connections"] == 1
+
+
+async def test_a_generation_given_up_midway_closes_its_connection(
+    ollama_backend: OllamaBackend, fake: FakeOllama
+) -> None:
+    """A cancelled generation closes its connection, which is how Ollama learns to stop;
+    the next call goes on a new one."""
+    fake.configure(chunk_delay_s=0.5)
+    first_piece = asyncio.Event()
+
+    async def seen(response: str, thinking: str, tool_calls: list[ToolCall] | None = None) -> None:
+        first_piece.set()
+
+    call = asyncio.create_task(
+        ollama_backend.generate(
+            CHAT, "tell me a long story", options=None, timeout_s=30, on_chunk=seen
+        )
+    )
+    await asyncio.wait_for(first_piece.wait(), 10)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    for _ in range(100):
+        if fake.stats()["cancelled"]:
+            break
+        await asyncio.sleep(0.05)
+    assert fake.stats()["cancelled"] == 1
+    fake.configure(chunk_delay_s=0.0)
+    assert (await ollama_backend.generate(CHAT, "hi", options=None, timeout_s=10)).response
+    assert fake.stats()["connections"] == 2
+
+
+async def test_a_proxy_in_the_environment_is_taken_unless_no_proxy_says_otherwise(
+    fake: FakeOllama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    proxied = OllamaBackend(fake.url)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    direct = OllamaBackend(fake.url)
+    try:
+        with pytest.raises(BackendUnavailable):
+            await proxied.generate(CHAT, "hi", options=None, timeout_s=5)
+        assert (await direct.generate(CHAT, "hi", options=None, timeout_s=5)).response
+    finally:
+        await proxied.aclose()
+        await direct.aclose()
+
+
+async def test_a_kept_connection_closed_without_an_answer_is_replaced() -> None:
+    """A server that closes a kept-alive connection instead of answering on it (closed while
+    idle, as the request went out): the request goes once more, on a new connection."""
+    done = b'{"response":"ok","done":false}\n{"response":"","done":true,"done_reason":"stop"}\n'
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(done), done)
+    )
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            for answered in range(2):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                if answered:
+                    break  # the second request on this connection: closed, no answer
+                writer.write(answer)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    backend = OllamaBackend(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        for _ in range(2):
+            result = await backend.generate(CHAT, "hi", options=None, timeout_s=10)
+            assert result.response == "ok" and result.done_reason == "stop"
+        assert connections == 2
+    finally:
+        await backend.aclose()
+        server.close()
 
 
 # -- Ollama: embeddings ------------------------------------------------------------------------

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.events import BenchFinished, BenchResult, BenchStarted, any_event_decoder
 from schemas.subjects import EVENTS_STREAM
 from services.runtime.errors import NoWorker
 from services.stats.bench import Bench, BenchPrompt, BenchReport, warnings
-from tests.fakes.ollama import FakeOllama
 from tests.harness import ServiceRunner, clean_env, eventually, request, run_cli, workers_live
-from tests.servers import NatsServer
 
 MODEL = "qwen2.5:0.5b"
 MUL = BenchPrompt("mul", "math", "What is 17*23? Answer with the number only.")

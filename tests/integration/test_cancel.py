@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 from nats.aio.client import Client
 
-from tests.fakes.ollama import FakeOllama
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from tests.harness import ServiceRunner, eventually, request, workers_live
-from tests.servers import NatsServer
 
 MODEL = "qwen2.5:0.5b"
 

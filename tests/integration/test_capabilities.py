@@ -14,14 +14,14 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.route import RouteReply, StreamChunk
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
 from schemas.vectors import dimensions, to_floats
 from schemas.workers import WorkerRecord
-from services.cli.client import stream_call
-from tests.fakes.ollama import FakeOllama
+from services.runtime.request import stream_call
 from tests.harness import ServiceRunner, clean_env, error_of, eventually, request, run_cli
-from tests.servers import NatsServer
 
 CHAT = "qwen2.5:0.5b"
 EMBEDDER = "nomic-embed-text:latest"

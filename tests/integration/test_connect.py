@@ -20,10 +20,10 @@ from typing import Any
 import nats
 import pytest
 
+from devtools.servers import NatsServer, free_port
 from services.runtime.bus import connect
 from services.runtime.lifecycle import StopRequested
 from tests.harness import COORDINATOR, Processes, clean_env, eventually, request, run_cli
-from tests.servers import NatsServer, free_port
 
 WAITING = "cannot reach NATS; trying again"
 

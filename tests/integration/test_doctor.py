@@ -11,6 +11,8 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer, free_port
 from schemas.subjects import TASKS_STREAM, WORKERS_BUCKET
 from schemas.workers import WorkerRecord
 from services import __version__
@@ -18,9 +20,7 @@ from services.cli.deploy import check_health, setup_streams
 from services.cli.doctor import run_doctor
 from services.runtime.settings import WorkerSettings
 from services.worker.service import run as run_worker
-from tests.fakes.ollama import FakeOllama
 from tests.harness import ServiceRunner, clean_env, eventually, run_cli, workers_live
-from tests.servers import NatsServer, free_port
 
 
 async def test_a_healthy_stack_passes_every_check(

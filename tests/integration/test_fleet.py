@@ -12,10 +12,11 @@ import pytest
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NoKeysError
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.workers import WorkerRecord
 from services.runtime.errors import ConfigError
 from services.runtime.lease import LeaseLost
-from tests.fakes.ollama import FakeOllama
 from tests.harness import (
     COORDINATOR,
     Processes,
@@ -25,7 +26,6 @@ from tests.harness import (
     request,
     workers_live,
 )
-from tests.servers import NatsServer
 
 MODEL = "qwen2.5:0.5b"
 

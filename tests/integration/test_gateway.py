@@ -16,13 +16,13 @@ import openai
 import pytest
 from nats.aio.client import Client
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer, free_port, wait_for_port
 from schemas.events import AliasSet
 from services.gateway.service import run as run_gateway
 from services.runtime.bus import publish_event
 from services.runtime.settings import GatewaySettings
-from tests.fakes.ollama import FakeOllama
 from tests.harness import ServiceRunner, eventually, request, workers_live
-from tests.servers import NatsServer, free_port, wait_for_port
 
 THINKER = "qwen3:0.6b"
 PLAIN = "qwen2.5:0.5b"

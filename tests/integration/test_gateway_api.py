@@ -20,11 +20,11 @@ import pytest
 from nats.aio.client import Client
 from structlog.testing import capture_logs
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.vectors import pack
-from tests.fakes.ollama import FakeOllama
 from tests.harness import ServiceRunner, workers_live
 from tests.integration.test_gateway import Stack, start_gateway
-from tests.servers import NatsServer
 
 CHAT = "qwen2.5:0.5b"  # tools
 THINKER = "qwen3:0.6b"  # tools, thinking

@@ -18,10 +18,10 @@ import aiohttp
 import pytest
 from nats.aio.client import Client
 
-from tests.fakes.ollama import FakeOllama
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from tests.harness import ServiceRunner, eventually, workers_live
 from tests.integration.test_gateway import Stack, start_gateway
-from tests.servers import NatsServer
 
 CHAT = "qwen2.5:0.5b"
 EMBEDDER = "nomic-embed-text:latest"

@@ -13,10 +13,10 @@ import pydantic
 import pytest
 from nats.aio.client import Client
 
+from devtools.servers import NatsServer
 from tests.harness import ServiceRunner, workers_live
 from tests.integration import test_real_model
 from tests.integration.test_gateway import start_gateway
-from tests.servers import NatsServer
 
 # The same module-scoped fixture: llama.cpp's server on a free port, its OpenAI base URL.
 llama_server = test_real_model.llama_server

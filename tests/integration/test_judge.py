@@ -13,11 +13,12 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer, free_port
 from schemas.events import QualityScored, TaskEvent, TaskSubmitted, any_event_decoder
 from schemas.subjects import EVENTS_STREAM
 from services.stats.judge import Judge, JudgeReport, JudgeSettings, JudgeUnavailable
 from services.stats.store import Store
-from tests.fakes.ollama import FakeOllama
 from tests.harness import request
 from tests.integration.test_stats import (
     all_acked,
@@ -29,7 +30,6 @@ from tests.integration.test_stats import (
     store_at,
 )
 from tests.integration.test_stats_replay import task
-from tests.servers import NatsServer, free_port
 
 T0 = 1_700_000_000.0
 JUDGE_MODEL = "gemma3:1b"

@@ -13,8 +13,9 @@ import asyncpg
 from nats.aio.client import Client
 from structlog.testing import capture_logs
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.events import TaskCompleted
-from tests.fakes.ollama import FakeOllama
 from tests.harness import (
     COORDINATOR,
     Processes,
@@ -25,7 +26,6 @@ from tests.harness import (
     workers_live,
 )
 from tests.reaper_harness import MODEL, TaskEvents
-from tests.servers import NatsServer
 
 
 async def route(nc: Client, **fields: Any) -> dict[str, Any]:

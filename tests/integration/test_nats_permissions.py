@@ -17,6 +17,8 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 from structlog.testing import capture_logs
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.events import ALIAS_EVENTS, AliasSet, ExclusionAdded
 from schemas.subjects import EVENTS_STREAM, ROUTE, TASK, TASKS_STREAM
 from services.cli.deploy import (
@@ -35,9 +37,7 @@ from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.errors import Unavailable
 from services.runtime.settings import NatsAuth, ReaperSettings, StatsSettings
 from services.stats.service import run as run_stats
-from tests.fakes.ollama import FakeOllama
 from tests.harness import COORDINATOR, ServiceRunner, clean_env, eventually, request
-from tests.servers import NatsServer
 
 USERS = [
     "admin",

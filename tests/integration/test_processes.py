@@ -10,7 +10,8 @@ from pathlib import Path
 
 from nats.aio.client import Client
 
-from tests.fakes.ollama import FakeOllama
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from tests.harness import (
     COORDINATOR,
     Processes,
@@ -20,7 +21,6 @@ from tests.harness import (
     run_cli,
     workers_live,
 )
-from tests.servers import NatsServer
 
 MODEL = "qwen2.5:0.5b"
 

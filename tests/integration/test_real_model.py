@@ -22,13 +22,13 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
+from devtools.servers import NatsServer, free_port
 from schemas.route import ChatMessage, RouteReply, ToolCall
 from schemas.vectors import unpack
-from services.cli.client import stream_call
+from services.backends.openai import OpenAIBackend
 from services.runtime.errors import BackendError
-from services.worker.backends.openai import OpenAIBackend
+from services.runtime.request import stream_call
 from tests.harness import ServiceRunner, request, workers_live
-from tests.servers import NatsServer, free_port
 
 MODEL = "smollm2-135m"
 

@@ -14,6 +14,8 @@ import pytest
 from nats.aio.client import Client
 from structlog.testing import capture_logs
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.events import (
     Durations,
     TaskCompleted,
@@ -26,11 +28,10 @@ from schemas.events import (
 )
 from schemas.models import ModelFacts
 from schemas.tasks import TaskMessage
+from services.backends import Embedding, Generation
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.settings import WorkerSettings
-from services.worker.backends import Embedding, Generation
 from services.worker.service import Worker
-from tests.fakes.ollama import FakeOllama
 from tests.harness import (
     COORDINATOR,
     FAST_WORKER,
@@ -42,7 +43,6 @@ from tests.harness import (
     workers_live,
 )
 from tests.reaper_harness import MODEL, Registration, TaskEvents, queued_copies
-from tests.servers import NatsServer
 
 SPOF = "no alternative worker can serve model '{model}' (reason={reason}); single point of failure"
 

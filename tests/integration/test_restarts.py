@@ -7,9 +7,9 @@ import asyncio
 import nats
 from structlog.testing import capture_logs
 
-from tests.fakes.ollama import FakeOllama
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from tests.harness import ServiceRunner, eventually, request, workers_live
-from tests.servers import NatsServer
 
 MODEL = "qwen2.5:0.5b"
 

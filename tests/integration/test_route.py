@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
-from tests.fakes.ollama import FakeOllama
 from tests.harness import ServiceRunner, error_of, request, workers_live
-from tests.servers import NatsServer
 
 MODEL = "qwen2.5:0.5b"
 

@@ -12,10 +12,10 @@ import pytest
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.subjects import TASKS_STREAM
-from tests.fakes.ollama import FakeOllama
 from tests.harness import ServiceRunner, eventually, request
-from tests.servers import NatsServer
 
 MODEL = "qwen2.5:0.5b"
 MAC = "aa:bb:cc:dd:ee:ff"

@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 
+from devtools.servers import NatsServer
 from schemas.events import (
     Durations,
     TaskCompleted,
@@ -31,14 +32,13 @@ from schemas.events import (
     WorkerRegistered,
 )
 from schemas.queries import TaskView
-from schemas.subjects import EVENTS_STREAM, TASK
+from schemas.subjects import EVENTS_STREAM, STATS_CONSUMER, TASK
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.errors import Unavailable
 from services.runtime.settings import StatsSettings
 from services.stats.projection import TaskState
-from services.stats.service import CONSUMER, run
+from services.stats.service import run
 from services.stats.store import Store
-from tests.servers import NatsServer
 
 T = TypeVar("T")
 
@@ -173,7 +173,7 @@ async def rows(dsn: str, table: str) -> list[dict[str, Any]]:
 
 async def all_acked(js: JetStreamContext, last_seq: int) -> bool | None:
     """True once the stats consumer has acked (or terminated) everything up to ``last_seq``."""
-    info = await js.consumer_info(EVENTS_STREAM, CONSUMER)
+    info = await js.consumer_info(EVENTS_STREAM, STATS_CONSUMER)
     floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
     return True if (floor or 0) >= last_seq and not info.num_ack_pending else None
 
@@ -316,10 +316,10 @@ async def test_replaying_every_event_after_a_consumer_reset_leaves_figures_uncha
         tracking = await rows(pg_dsn, "projection_tracking")
 
         # A deleted consumer comes back with deliver policy "all": everything is redelivered.
-        await js.delete_consumer(EVENTS_STREAM, CONSUMER)
+        await js.delete_consumer(EVENTS_STREAM, STATS_CONSUMER)
         async with running_stats(nc, settings):
             await eventually(lambda: all_acked(js, last), what="the replay to be acked")
-            info = await js.consumer_info(EVENTS_STREAM, CONSUMER)
+            info = await js.consumer_info(EVENTS_STREAM, STATS_CONSUMER)
 
     assert info.delivered.stream_seq == last
     assert [(f["worker"], f["domain"], f["count"], f["failures"]) for f in figures] == [
@@ -394,7 +394,7 @@ async def test_events_wait_unacked_while_the_database_fails_and_are_applied_afte
                         return True if any("unavailable" in e["event"] for e in logs) else None
 
                     await eventually(refused, what="the database failure to be logged")
-                    info = await js.consumer_info(EVENTS_STREAM, CONSUMER)
+                    info = await js.consumer_info(EVENTS_STREAM, STATS_CONSUMER)
                     tracked_during = await rows(pg_dsn, "projection_tracking")
 
                     await admin.execute("ALTER TABLE tasks_away RENAME TO tasks")

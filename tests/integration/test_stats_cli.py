@@ -8,7 +8,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.fakes.ollama import FakeOllama
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer, free_port
 from tests.harness import clean_env, run_cli
 from tests.integration.test_judge import VERDICTS, done_task
 from tests.integration.test_stats import (
@@ -20,7 +21,6 @@ from tests.integration.test_stats import (
     settings_for,
 )
 from tests.integration.test_stats_replay import MODEL, T0, task
-from tests.servers import NatsServer, free_port
 
 
 async def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -20,6 +20,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from devtools.servers import NatsServer, free_port
 from schemas.events import (
     Durations,
     QualityScored,
@@ -47,7 +48,6 @@ from tests.integration.test_stats import (
     running_stats,
     settings_for,
 )
-from tests.servers import NatsServer, free_port
 
 T0 = 1_700_000_000.0
 HOUR = 3600.0

@@ -7,9 +7,10 @@ import asyncio
 import msgspec
 from nats.aio.client import Client
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.route import RouteReply, StreamChunk
-from services.cli.client import stream_call
-from tests.fakes.ollama import FakeOllama
+from services.runtime.request import stream_call
 from tests.harness import (
     ServiceRunner,
     clean_env,
@@ -17,7 +18,6 @@ from tests.harness import (
     run_cli,
     workers_live,
 )
-from tests.servers import NatsServer
 
 
 async def streamed(nc: Client, model: str, prompt: str) -> tuple[list[StreamChunk], RouteReply]:

@@ -16,13 +16,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
 from schemas.route import RouteReply, RouteRequest
 from schemas.subjects import ROUTE, TASK
-from services.cli.client import call
 from services.runtime.logging import add_trace_id
-from tests.fakes.ollama import FakeOllama
+from services.runtime.request import call
 from tests.harness import ServiceRunner, eventually, request, workers_live
-from tests.servers import NatsServer
 
 
 @pytest.fixture

@@ -18,14 +18,15 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 from structlog.testing import capture_logs
 
+from devtools.fakes.ollama import FakeOllama
+from devtools.fakes.searxng import FakeSearxng
+from devtools.servers import NatsServer, free_port
 from schemas.events import TaskCompleted, TaskFailed, TaskStarted, task_event_decoder
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
 from services import __version__
 from services.runtime.lease import DuplicateWorker
 from services.runtime.settings import WebSearchSettings
 from services.web_search.service import run as run_web_search
-from tests.fakes.ollama import FakeOllama
-from tests.fakes.searxng import FakeSearxng
 from tests.harness import (
     COORDINATOR,
     Processes,
@@ -36,7 +37,6 @@ from tests.harness import (
     run_cli,
     workers_live,
 )
-from tests.servers import NatsServer, free_port
 
 MODEL = "qwen2.5:0.5b"
 QUESTION = "what is nats jetstream"

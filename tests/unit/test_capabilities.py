@@ -18,7 +18,7 @@ from schemas.models import (
 from schemas.route import ChatMessage, RouteRequest
 from schemas.tasks import WORK_FIELDS, TaskMessage, needs_of, work_of
 from schemas.workers import Capability, WorkerRecord
-from services.router.policy import WorkerUnavailable, choose, choose_sleeper
+from services.fleet.policy import WorkerUnavailable, choose, choose_sleeper
 from services.runtime.errors import UnsupportedCapability
 
 

@@ -14,7 +14,6 @@ import msgspec
 import pytest
 import yaml
 
-from services.cli import deploy
 from services.cli.deploy import (
     DEPLOY_DIR,
     EXAMPLE_WEB_WORKERS,
@@ -29,9 +28,6 @@ from services.cli.deploy import (
 from services.cli.main import build_parser
 from services.runtime import settings as settings_module
 from services.runtime.errors import ConfigError
-from services.stats.service import CONSUMER as STATS_CONSUMER
-from services.web_search.service import WEB_CONSUMER
-from services.worker.service import SHARED_CONSUMER, consumer_name
 
 ROOT = DEPLOY_DIR.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -147,11 +143,7 @@ def test_the_committed_nats_configuration_is_the_rendering_of_the_permissions() 
     )
 
 
-def test_permissions_use_the_services_own_names() -> None:
-    assert deploy.worker_consumer("cpu1") == consumer_name("cpu1")
-    assert deploy.SHARED_CONSUMER == SHARED_CONSUMER
-    assert deploy.WEB_CONSUMER == WEB_CONSUMER
-    assert deploy.STATS_CONSUMER == STATS_CONSUMER
+def test_a_worker_may_create_its_own_consumer_and_publish_no_task() -> None:
     worker = role_permissions("worker", "cpu1")
     assert "$JS.API.CONSUMER.CREATE.TASKS.worker-cpu1.tasks.*.cpu1" in worker.publish
     assert not [s for s in worker.publish if s.startswith("tasks.")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.stats.domains import DOMAINS, classify_domain
+from services.fleet.domains import DOMAINS, classify_domain
 
 CASES = [
     # code: constructs, fences, languages and programming words, in any language

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fakes.ollama import FakeOllama
+from devtools.fakes.ollama import FakeOllama
 
 REPO = Path(__file__).resolve().parents[2]
 DURATIONS = ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
@@ -342,7 +342,7 @@ def test_stop_closes_keep_alive_and_restart_keeps_the_port() -> None:
 
 
 def test_module_runs_as_a_process() -> None:
-    command = [sys.executable, "-m", "tests.fakes.ollama", "--port", "0", "--models", "a:1b,b"]
+    command = [sys.executable, "-m", "devtools.fakes.ollama", "--port", "0", "--models", "a:1b,b"]
     with subprocess.Popen(
         command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as process:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fakes.ollama import (
+from devtools.fakes.ollama import (
     DEFAULT_EMBEDDING_MODELS,
     DEFAULT_INSERT_MODELS,
     DEFAULT_MODELS,

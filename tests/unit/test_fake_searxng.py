@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fakes.searxng import FakeSearxng
+from devtools.fakes.searxng import FakeSearxng
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT_FIELDS = {
@@ -154,7 +154,7 @@ def test_stop_frees_the_port_and_cuts_keep_alive() -> None:
 
 def test_runs_as_a_command() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes.searxng", "--port", "0", "--mode", "empty"],
+        [sys.executable, "-m", "devtools.fakes.searxng", "--port", "0", "--mode", "empty"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.workers import WorkerRecord
-from services.router.policy import choose_sleeper
+from services.fleet.policy import choose_sleeper
 from services.router.wol import magic_packet
 from services.worker.idle import should_sleep
 

@@ -5,21 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from schemas.subjects import SHARED_CONSUMER, WEB_CONSUMER
 from schemas.workers import WorkerRecord
-from services.reaper.detectors import (
-    SHARED_CONSUMER,
-    WEB_CONSUMER,
-    Snapshot,
-    TaskFinding,
-    Thresholds,
-    detect,
-    queue_consumer,
-    worker_consumer,
-)
+from services.reaper.detectors import Snapshot, TaskFinding, Thresholds, detect
 from services.reaper.view import ConsumerHistory, Instance, TaskTrack
-from services.web_search.service import WEB_CONSUMER as WEB_SEARCH_CONSUMER
-from services.worker.service import SHARED_CONSUMER as WORKER_SHARED_CONSUMER
-from services.worker.service import consumer_name
 
 TH = Thresholds(dead_after_s=3.0, stuck_grace_s=30.0, ghost_after_s=10.0, duplicate_samples=2)
 NOW = 1_000.0
@@ -270,18 +259,6 @@ def test_two_instances_heartbeating_within_a_ttl_are_a_duplicate() -> None:
 def test_a_restart_after_the_old_instance_went_silent_is_no_duplicate() -> None:
     instances = {"a": {"old": Instance("old", "h", NOW - 3.2), "new": Instance("new", "h", NOW)}}
     assert detect(snap([], [worker("a")], instances=instances), TH).duplicates == []
-
-
-# -- names
-
-
-def test_consumer_names_are_the_ones_the_workers_create() -> None:
-    assert worker_consumer("a") == consumer_name("a")
-    assert SHARED_CONSUMER == WORKER_SHARED_CONSUMER
-    assert WEB_CONSUMER == WEB_SEARCH_CONSUMER
-    assert queue_consumer("tasks.gpu.mac") == "worker-mac"
-    assert queue_consumer("tasks.cpu.shared") == SHARED_CONSUMER
-    assert queue_consumer("tasks.web") == WEB_CONSUMER
 
 
 def test_one_finding_per_task_dead_before_stuck() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from schemas.workers import Capability, WorkerRecord
-from services.router.policy import WorkerUnavailable, choose, choose_web, live
+from services.fleet.liveness import live
+from services.fleet.policy import WorkerUnavailable, choose, choose_web
 from services.runtime.errors import NoWorker
 
 

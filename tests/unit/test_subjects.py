@@ -2,7 +2,20 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.subjects import InvalidId, task_event, task_events, worker_event, worker_queue
+from schemas.subjects import (
+    SHARED_CONSUMER,
+    SHARED_CPU_QUEUE,
+    WEB_CONSUMER,
+    WEB_QUEUE,
+    InvalidId,
+    queue_consumer,
+    task_event,
+    task_events,
+    worker_consumer,
+    worker_event,
+    worker_of_consumer,
+    worker_queue,
+)
 
 
 def test_subjects_are_built_from_safe_ids() -> None:
@@ -25,3 +38,11 @@ def test_ids_that_would_break_a_subject_are_refused(bad: str) -> None:
 def test_names_that_are_queues_of_their_own_cannot_be_worker_ids(reserved: str) -> None:
     with pytest.raises(InvalidId):
         worker_queue("cpu", reserved)
+
+
+def test_each_queue_is_delivered_by_its_consumer() -> None:
+    assert queue_consumer(worker_queue("gpu", "mac")) == worker_consumer("mac") == "worker-mac"
+    assert queue_consumer(SHARED_CPU_QUEUE) == SHARED_CONSUMER
+    assert queue_consumer(WEB_QUEUE) == WEB_CONSUMER
+    assert worker_of_consumer(worker_consumer("mac")) == "mac"
+    assert worker_of_consumer(SHARED_CONSUMER) is None

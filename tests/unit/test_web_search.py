@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from devtools.fakes.searxng import results_for
 from schemas.events import TaskStarted
 from schemas.route import DEFAULT_MODEL, Source
 from schemas.tasks import TaskMessage, is_retryable
@@ -37,7 +38,6 @@ from services.web_search.summary import (
     summary_prompt,
 )
 from services.web_search.takeover import MIN_RECHECK_S, Lost, Run, Wait, on_redelivery
-from tests.fakes.searxng import results_for
 
 ADDRESS = "http://search.lan:8080"
 

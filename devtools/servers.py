@@ -1,4 +1,4 @@
-"""Real servers for tests: a nats-server from the pinned wheel and a PostgreSQL.
+"""Real servers for tests and benchmarks: a nats-server from the pinned wheel and a PostgreSQL.
 
 No mock bus, no mock database: each integration test gets its own nats-server (free port,
 temporary store) and its own fresh database.

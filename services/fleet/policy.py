@@ -4,11 +4,14 @@ Lesson 1 of the design: the tier is not a property of the model name. It is deci
 who is live: a model listed in ``GPU_MODELS`` (every model, when the list is empty) goes to a
 GPU worker when a live GPU worker has it, else to a CPU worker that has it, else the request is
 refused with an error that names the model and why.
+
+It is given the live workers (`services.fleet.liveness.live`); the router applies it to route,
+the reaper to re-route a dead worker's task, with the same answer for the same state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from schemas.models import DEFAULT_CAPABILITIES, does_not_support, missing
@@ -51,15 +54,6 @@ def tier_of(record: WorkerRecord) -> Tier:
 def tier_label(record: WorkerRecord) -> str:
     """What ``coordinator workers`` shows: gpu, cpu, or web for a web-search-only worker."""
     return tier_of(record) if INFERENCE_CAPABILITIES.intersection(record.supports) else "web"
-
-
-def live(records: Iterable[WorkerRecord], now: float, ttl_s: float) -> list[WorkerRecord]:
-    """Workers whose last heartbeat is younger than ``ttl_s``.
-
-    The bucket's TTL removes silent workers' entries, but nats-server 2.9 sends no notice when
-    it does, so a watcher must also judge freshness itself.
-    """
-    return [r for r in records if now - r.heartbeat_at < ttl_s and r.state != "stopping"]
 
 
 def lacks(record: WorkerRecord, model: str, needs: Sequence[str]) -> list[str]:

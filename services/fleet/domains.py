@@ -16,8 +16,8 @@ not, `classify_domain` decides, from the prompt text alone, in this order (first
 4. ``general``: everything else.
 
 Code and math come before Japanese on purpose: "Pythonで関数を書いて" is a code prompt, and
-"1+1は？" a math one, whatever the language. The function is pure and cheap, so the router
-may call it too.
+"1+1は？" a math one, whatever the language. The function is pure and cheap: the router
+calls it to route, the stats service to file figures.
 """
 
 from __future__ import annotations

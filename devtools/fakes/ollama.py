@@ -80,7 +80,7 @@ Rules for the features a model may have:
 
 Behaviour is steered through attributes (``delay_s``, ``fail_status``, ``models``, ...), from
 Python or over HTTP (``POST /_fake/config`` with the same names), so a copy started in another
-process (``python -m tests.fakes.ollama --port P``) can be steered too. ``GET /_fake/stats``
+process (``python -m devtools.fakes.ollama --port P``) can be steered too. ``GET /_fake/stats``
 reports how many generations were asked for and how many ran at once (``generate_calls``,
 ``chat_calls``, ``openai_calls`` for ``/v1/chat/completions`` and ``/v1/completions``,
 ``embed_calls`` for the three embedding endpoints, ``concurrent_max``, ``in_flight``, plus
@@ -2863,7 +2863,7 @@ class _OpenAIReply:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.fakes.ollama", description="Serve a fake Ollama HTTP API."
+        prog="python -m devtools.fakes.ollama", description="Serve a fake Ollama HTTP API."
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=11434, help="0 picks a free port")

@@ -16,7 +16,7 @@
 
 Answers are deterministic: ``result_count`` results whose titles, addresses and snippets are
 made from the query. Knobs (attributes, ``configure()``, or ``POST /_fake/config`` with the
-same names, so a copy run as ``python -m tests.fakes.searxng --port P`` can be steered too):
+same names, so a copy run as ``python -m devtools.fakes.searxng --port P`` can be steered too):
 
 - ``mode``: ``"ok"``; ``"empty"`` (no results, two engines listed as unresponsive);
   ``"not_json"`` (200 with an HTML page, as a proxy in front of the wrong thing would send);
@@ -491,7 +491,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.fakes.searxng", description="Serve a fake SearXNG search API."
+        prog="python -m devtools.fakes.searxng", description="Serve a fake SearXNG search API."
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")

@@ -1,1 +1,0 @@
-"""Stand-ins for outside services (real sockets, fake behaviour) used by the tests."""
