@@ -78,6 +78,7 @@ class NatsServer:
             args = ["-c", self.config, *where]
         else:
             # The shipped configurations' message limit, so tests see what a fleet sees.
+            os.makedirs(self.store_dir, exist_ok=True)
             limits = os.path.join(self.store_dir, "limits.conf")
             with open(limits, "w") as f:
                 f.write(f"max_payload: {MAX_PAYLOAD}\n")
