@@ -355,10 +355,14 @@ class Router:
         """The canonical name a request for ``asked`` is routed as: aliases applied, and a
         bare name read as its ``:latest`` (or a ``:latest`` as the bare name an
         OpenAI-compatible server lists), whichever a live or sleeping worker serves."""
-        known = {
-            m for r in (*self.view.workers.values(), *self.view.sleepers.values()) for m in r.models
-        }
-        return resolve_name(asked, known.__contains__, self.aliases.canonical)
+        records = (self.view.workers.values(), self.view.sleepers.values())
+
+        def known(name: str) -> bool:
+            # Scanned lazily: the name as asked is usually served, and found at the first
+            # worker that has it (no set of every model built per request).
+            return any(name in r.models for group in records for r in group)
+
+        return resolve_name(asked, known, self.aliases.canonical)
 
     def _check_size(self, body_bytes: int) -> None:
         """Refuse a request whose task message would not fit in one NATS message, instead of
