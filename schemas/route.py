@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any, Final, Literal
 
 import msgspec
@@ -44,6 +46,20 @@ class ToolCall(Wire, frozen=True, kw_only=True):
     arguments: dict[str, Any] | str = msgspec.field(default_factory=dict)
     id: str | None = None
     index: int = 0
+
+
+def image_problem(images: list[str] | None, where: str = "") -> str | None:
+    """Why ``images`` are not images as Ollama takes them (base64 without a ``data:``
+    prefix), naming the first bad one (``where`` prefixes its path); None when they are."""
+    for index, image in enumerate(images or ()):
+        try:
+            base64.b64decode(image, validate=True)
+        except (binascii.Error, ValueError):
+            return (
+                f"invalid image: {where}images[{index}] is not base64 data (send the image's "
+                "bytes base64-encoded, without a data: prefix)"
+            )
+    return None
 
 
 class ChatMessage(Wire, frozen=True, kw_only=True):

@@ -6,14 +6,12 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Sequence
 from typing import Any, Final
 
 import msgspec
 
-from schemas.route import ChatMessage, OutputFormat, RouteRequest, ToolCall
+from schemas.route import ChatMessage, OutputFormat, RouteRequest, ToolCall, image_problem
 from services.gateway.common import ApiError, encoder, require_model
 
 # Roles as the chat APIs name them -> the wire's; OpenAI's newer "developer" is a system prompt.
@@ -89,16 +87,9 @@ def route(
 
 def check_images(images: list[str] | None, where: str = "") -> list[str] | None:
     """Base64 images as Ollama takes them (no ``data:`` prefix); None for none."""
-    for index, image in enumerate(images or ()):
-        try:
-            base64.b64decode(image, validate=True)
-        except (binascii.Error, ValueError):
-            raise ApiError(
-                400,
-                "bad_request",
-                f"invalid image: {where}images[{index}] is not base64 data (send the image's "
-                "bytes base64-encoded, without a data: prefix)",
-            ) from None
+    problem = image_problem(images, where)
+    if problem is not None:
+        raise ApiError(400, "bad_request", problem)
     return images or None
 
 

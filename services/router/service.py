@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import math
 import time
 import uuid
@@ -45,6 +43,7 @@ from schemas.route import (
     RouteReply,
     RouteRequest,
     StreamChunk,
+    image_problem,
 )
 from schemas.subjects import (
     ASLEEP_BUCKET,
@@ -138,14 +137,9 @@ def conversation_chars(request: RouteRequest) -> int:
 
 
 def _check_images(images: list[str] | None, where: str) -> None:
-    for index, image in enumerate(images or ()):
-        try:
-            base64.b64decode(image, validate=True)
-        except (binascii.Error, ValueError):
-            raise BadRequest(
-                f"{where}images[{index}] is not valid base64 (send the image's bytes base64-"
-                "encoded, without a data: prefix)"
-            ) from None
+    problem = image_problem(images, where)
+    if problem is not None:
+        raise BadRequest(problem)
 
 
 def _check_tools(tools: list[dict[str, Any]] | None) -> None:

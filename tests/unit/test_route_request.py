@@ -48,7 +48,7 @@ def test_a_minimal_request_gets_defaults() -> None:
         (
             b'{"prompt": "hi", "model": "m", "messages": [{"role": "user", "images": ["x"]}]}',
             BadRequest,
-            "messages[0].images[0] is not valid base64",
+            "messages[0].images[0] is not base64 data",
         ),
         (b'{"prompt": "hi", "model": "m", "tools": [{"type": "x"}]}', BadRequest, "tools[0]"),
         (
