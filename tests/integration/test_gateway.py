@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,16 +44,25 @@ async def start_gateway(runner: ServiceRunner, nats_url: str, **settings: Any) -
     return f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture
-async def stack(nats_server: NatsServer, nc: Client, runner: ServiceRunner) -> AsyncIterator[Stack]:
-    """Router, one worker on a stand-in serving a plain and a thinking model, the gateway."""
-    with FakeOllama(models=[PLAIN, THINKER]) as fake:
+@asynccontextmanager
+async def gateway_stack(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner, models: list[str]
+) -> AsyncIterator[Stack]:
+    """Router, one worker on a stand-in serving ``models``, the gateway."""
+    with FakeOllama(models=models) as fake:
         runner.router(nats_server.url)
         runner.worker(nats_server.url, fake.url, "cpu-1")
         url = await start_gateway(runner, nats_server.url)
         await workers_live(nc, 1)
         yield Stack(url=url, nats_url=nats_server.url, ollama=fake)
         await runner.stop_all()
+
+
+@pytest.fixture
+async def stack(nats_server: NatsServer, nc: Client, runner: ServiceRunner) -> AsyncIterator[Stack]:
+    """A plain and a thinking model behind the gateway."""
+    async with gateway_stack(nats_server, nc, runner, [PLAIN, THINKER]) as running:
+        yield running
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from structlog.testing import capture_logs
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.vectors import pack
-from tests.harness import ServiceRunner, workers_live
-from tests.integration.test_gateway import Stack, start_gateway
+from tests.harness import ServiceRunner
+from tests.integration.test_gateway import Stack, gateway_stack, start_gateway
 
 CHAT = "qwen2.5:0.5b"  # tools
 THINKER = "qwen3:0.6b"  # tools, thinking
@@ -53,13 +53,8 @@ PIXEL = base64.b64decode(
 
 @pytest.fixture
 async def stack(nats_server: NatsServer, nc: Client, runner: ServiceRunner) -> AsyncIterator[Stack]:
-    with FakeOllama(models=MODELS) as fake:
-        runner.router(nats_server.url)
-        runner.worker(nats_server.url, fake.url, "cpu-1")
-        url = await start_gateway(runner, nats_server.url)
-        await workers_live(nc, 1)
-        yield Stack(url=url, nats_url=nats_server.url, ollama=fake)
-        await runner.stop_all()
+    async with gateway_stack(nats_server, nc, runner, MODELS) as running:
+        yield running
 
 
 @pytest.fixture

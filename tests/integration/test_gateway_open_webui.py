@@ -18,10 +18,9 @@ import aiohttp
 import pytest
 from nats.aio.client import Client
 
-from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
-from tests.harness import ServiceRunner, eventually, workers_live
-from tests.integration.test_gateway import Stack, start_gateway
+from tests.harness import ServiceRunner, eventually
+from tests.integration.test_gateway import Stack, gateway_stack
 
 CHAT = "qwen2.5:0.5b"
 EMBEDDER = "nomic-embed-text:latest"
@@ -43,13 +42,8 @@ WEATHER_SPEC = {
 
 @pytest.fixture
 async def stack(nats_server: NatsServer, nc: Client, runner: ServiceRunner) -> AsyncIterator[Stack]:
-    with FakeOllama(models=[CHAT, EMBEDDER]) as fake:
-        runner.router(nats_server.url)
-        runner.worker(nats_server.url, fake.url, "cpu-1")
-        url = await start_gateway(runner, nats_server.url)
-        await workers_live(nc, 1)
-        yield Stack(url=url, nats_url=nats_server.url, ollama=fake)
-        await runner.stop_all()
+    async with gateway_stack(nats_server, nc, runner, [CHAT, EMBEDDER]) as running:
+        yield running
 
 
 @pytest.fixture
