@@ -1,6 +1,7 @@
 """A task attempt's life on the bus, for every service that runs tasks.
 
-Storing an outcome once (a message id per attempt, so a retried publish, a redelivered task or
+Claiming an attempt (its ``started``, refused for a copy the reaper has moved on), storing an
+outcome once (a message id per attempt, so a retried publish, a redelivered task or
 a second process racing for the same attempt stores one outcome: the first), finding what a
 task's stream already holds, and keeping a long task's message from being redelivered.
 """
@@ -15,6 +16,7 @@ from typing import Self
 
 import nats.errors
 import structlog
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -28,7 +30,8 @@ from schemas.events import (
     task_event_decoder,
 )
 from schemas.subjects import EVENTS_STREAM, task_event
-from services.runtime.bus import publish_event
+from schemas.tasks import TaskMessage
+from services.runtime.bus import fences_by_subject, is_wrong_last_sequence, publish_event
 
 log = structlog.get_logger("outcomes")
 
@@ -109,6 +112,46 @@ async def current_attempt(js: JetStreamContext, task_id: str) -> int | None:
         return None
     event = task_event_decoder.decode(data)
     return event.attempt if isinstance(event, TaskRouted) else None
+
+
+async def moved_on(js: JetStreamContext, task: TaskMessage) -> bool:
+    """Does the task's last ``routed`` name a later attempt than this copy's?"""
+    current = await current_attempt(js, task.task_id)
+    return current is not None and current > task.attempt
+
+
+async def claim(nc: Client, js: JetStreamContext, started: TaskStarted, task: TaskMessage) -> bool:
+    """Store this attempt's ``started``, unless the task was moved on: False then (attempt
+    fencing), and nothing is stored.
+
+    The reaper routes attempt N+1 before it deletes attempt N's copies, so a copy that got
+    here first (a worker back from the dead, a ghost queue pulled at last) is recognised.
+    With the attempt's ``routed_seq`` and nats-server 2.11 (asked each time: a cluster's
+    servers may differ), the fence is the publish itself: stored only while that ``routed``
+    is the task's last one. Otherwise the task's last ``routed`` is looked up first. A
+    publish that fails is tried once more (a second copy after a lost acknowledgement is
+    what a redelivery gives anyway).
+    """
+    fence: tuple[str, int] | None = None
+    if task.routed_seq is not None and fences_by_subject(nc):
+        fence = (task_event(task.task_id, "routed"), task.routed_seq)
+    elif await moved_on(js, task):
+        return False
+    failures = 0
+    while True:
+        try:
+            await publish_event(js, started, expect_last=fence)
+            return True
+        except Exception as exc:
+            if fence is not None and is_wrong_last_sequence(exc):
+                if await moved_on(js, task):
+                    return False
+                fence = None  # its ``routed`` is gone (the log was cut): run what is held
+                continue
+            failures += 1
+            if failures > 1:
+                raise
+            log.warning("storing the started event failed; trying again", error=repr(exc))
 
 
 async def last_started(js: JetStreamContext, task_id: str, attempt: int) -> TaskStarted | None:

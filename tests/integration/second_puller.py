@@ -9,24 +9,36 @@ from __future__ import annotations
 
 import asyncio
 
-from services.runtime.bus import connect
+from services.backends.choose import make_backend
+from services.runtime.bus import connect, ensure_streams
+from services.runtime.consumers import bind
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.settings import WorkerSettings
-from services.worker.service import Worker, make_backend
+from services.runtime.taskloop import Source, TaskLoop
+from services.worker.service import Inference, loop_settings
 
 
 async def main(stop: asyncio.Event) -> None:
     settings = WorkerSettings.from_env()
     nc = await connect(settings.nats_url, "second-puller")
-    backend = make_backend(settings)
-    worker = Worker(nc, settings, backend)
-    worker.served = await worker.discover_models(stop)
-    sub = await worker.ensure_consumer()
+    backend = make_backend(
+        settings.worker_backend,
+        ollama_host=settings.ollama_host,
+        openai_base_url=settings.openai_base_url,
+        openai_api_key=settings.openai_api_key,
+        connect_timeout_s=settings.backend_connect_timeout_s,
+    )
+    kind = Inference(nc, settings, backend)
+    kind.served = await kind.discover_models(stop)
+    loop = TaskLoop(nc, kind, loop_settings(settings))
+    loop.runner.registry = await ensure_streams(loop.js, worker_ttl_s=settings.worker_ttl_s)
+    own = kind.queues()[0]
+    source = Source(own, await bind(loop.js, own, settings.ack_wait_s))
     print("bound", flush=True)
     try:
-        await worker.serve(sub, stop)
+        await loop.serve([source], stop)
     finally:
-        await sub.unsubscribe()
+        await source.sub.unsubscribe()
         await backend.aclose()
         await nc.drain()
 

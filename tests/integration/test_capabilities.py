@@ -21,7 +21,15 @@ from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
 from schemas.vectors import dimensions, to_floats
 from schemas.workers import WorkerRecord
 from services.runtime.request import stream_call
-from tests.harness import ServiceRunner, clean_env, error_of, eventually, request, run_cli
+from tests.harness import (
+    ServiceRunner,
+    clean_env,
+    error_of,
+    eventually,
+    request,
+    run_cli,
+    workers_live,
+)
 
 CHAT = "qwen2.5:0.5b"
 EMBEDDER = "nomic-embed-text:latest"
@@ -63,6 +71,7 @@ async def records(nc: Client, count: int) -> dict[str, WorkerRecord]:
         return found if len(found) >= count else None
 
     result: dict[str, WorkerRecord] = await eventually(read, timeout_s=20)
+    await workers_live(nc, count)  # and the router answers (it sees them too)
     return result
 
 

@@ -31,7 +31,7 @@ from schemas.tasks import TaskMessage
 from services.backends import Embedding, Generation
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.settings import WorkerSettings
-from services.worker.service import Worker
+from services.worker.service import serve as serve_worker
 from tests.harness import (
     COORDINATOR,
     FAST_WORKER,
@@ -179,7 +179,7 @@ async def run_wedged(settings: WorkerSettings, stop: asyncio.Event) -> None:
 
     nc = await connect(settings.nats_url, "wedged")
     try:
-        await Worker(nc, settings, WedgedBackend()).run(stop)
+        await serve_worker(nc, settings, WedgedBackend(), stop)
     finally:
         await nc.drain()
 

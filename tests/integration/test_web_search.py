@@ -8,6 +8,7 @@ import itertools
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +22,18 @@ from structlog.testing import capture_logs
 from devtools.fakes.ollama import FakeOllama
 from devtools.fakes.searxng import FakeSearxng
 from devtools.servers import NatsServer, free_port
-from schemas.events import TaskCompleted, TaskFailed, TaskStarted, task_event_decoder
+from schemas.events import (
+    TaskCompleted,
+    TaskFailed,
+    TaskRouted,
+    TaskStarted,
+    kind_of,
+    task_event_decoder,
+)
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
+from schemas.tasks import TaskMessage
 from services import __version__
+from services.runtime.bus import publish_event
 from services.runtime.lease import DuplicateWorker
 from services.runtime.settings import WebSearchSettings
 from services.web_search.service import run as run_web_search
@@ -37,6 +47,7 @@ from tests.harness import (
     run_cli,
     workers_live,
 )
+from tests.reaper_harness import TaskEvents
 
 MODEL = "qwen2.5:0.5b"
 QUESTION = "what is nats jetstream"
@@ -434,6 +445,87 @@ async def test_a_dead_web_workers_task_fails_naming_it_and_is_not_run_again(
         return await web.tasks_queued() == 0
 
     await eventually(acknowledged, timeout_s=5)
+
+
+# -- cancelled and stale: the shared task loop's claim and cancel notices ----------------------
+
+
+async def test_a_running_web_search_that_is_cancelled_stops_and_fails_cancelled(
+    web: Stack,
+) -> None:
+    await web.start()
+    web.ollama.delay_s = 30.0  # the summary is running when the cancel comes
+    body = {"prompt": QUESTION, "model": "default", "task_type": "web_search"}
+    routed, _ = await request(web.nc, "coordinator.route", body)
+
+    async def summarising() -> bool:
+        return bool(web.ollama.stats()["in_flight"])
+
+    await eventually(summarising, timeout_s=5)
+    cancel, headers = await request(
+        web.nc, "coordinator.cancel", {"task_id": routed["task_id"], "reason": "asked elsewhere"}
+    )
+    assert "Nats-Service-Error-Code" not in headers, cancel
+
+    async def failed() -> TaskFailed | None:
+        try:
+            event = await web.event(routed["task_id"], "failed")
+        except NotFoundError:
+            return None
+        return event if isinstance(event, TaskFailed) else None
+
+    outcome: TaskFailed = await eventually(failed, timeout_s=10)
+    assert (outcome.code, outcome.reason, outcome.retryable) == (
+        "cancelled",
+        "asked elsewhere",
+        False,
+    )
+
+    async def hung_up() -> bool:
+        return web.ollama.stats()["cancelled"] == 1 and await web.tasks_queued() == 0
+
+    await eventually(hung_up, timeout_s=5)  # the summary call was stopped, the message acked
+
+
+async def test_a_web_worker_drops_a_copy_of_an_attempt_that_was_moved_on(web: Stack) -> None:
+    """A web task's copy whose attempt is no longer the task's last ``routed`` leaves no
+    event and never reaches SearXNG: the fenced claim of the shared task loop."""
+    await web.start()
+    js = web.nc.jetstream()
+    now = time.time()
+    routed_seq = {}
+    for attempt in (1, 2):
+        ack = await publish_event(
+            js,
+            TaskRouted(at=now, task_id="t-web", attempt=attempt, worker="web", queue="tasks.web"),
+        )
+        routed_seq[attempt] = ack.seq
+    async with TaskEvents(web.nc) as events:
+        for attempt in (1, 2):
+            message = TaskMessage(
+                task_id="t-web",
+                attempt=attempt,
+                model="default",
+                prompt=QUESTION,
+                timeout_s=10,
+                submitted_at=now,
+                task_type="web_search",
+                routed_seq=routed_seq[attempt],
+            )
+            await js.publish("tasks.web", msgspec.json.encode(message))
+        done = await events.first("completed")
+
+    assert isinstance(done, TaskCompleted) and done.attempt == 2
+    assert [(kind_of(e), getattr(e, "attempt", None)) for e in events.events] == [
+        ("started", 2),
+        ("completed", 2),
+    ]
+    assert web.searxng.stats()["search_calls"] == 1  # the stale copy never searched
+
+    async def settled() -> bool:
+        return await web.tasks_queued() == 0
+
+    await eventually(settled, timeout_s=5)
 
 
 # -- the command line --------------------------------------------------------------------------

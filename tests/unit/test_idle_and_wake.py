@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 
 from schemas.workers import WorkerRecord
+from services.fleet.idle import should_sleep
 from services.fleet.policy import choose_sleeper
 from services.router.wol import magic_packet
-from services.worker.idle import should_sleep
 
 BASE = {"idle_shutdown_s": 600.0, "min_uptime_s": 1800.0}
 

@@ -13,6 +13,7 @@ from schemas.route import DEFAULT_MODEL, Source
 from schemas.tasks import TaskMessage, is_retryable
 from schemas.workers import WorkerRecord
 from services.cli.main import main
+from services.fleet.takeover import MIN_RECHECK_S, Lost, Run, Wait, on_redelivery
 from services.runtime.errors import (
     ConfigError,
     NoResults,
@@ -37,7 +38,6 @@ from services.web_search.summary import (
     summary_model,
     summary_prompt,
 )
-from services.web_search.takeover import MIN_RECHECK_S, Lost, Run, Wait, on_redelivery
 
 ADDRESS = "http://search.lan:8080"
 

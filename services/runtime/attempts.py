@@ -1,0 +1,97 @@
+"""One attempt's pieces that every kind shares: its outcome when cancelled or too large to
+store, and the publisher of its stream chunks, which sends nothing before the claim."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+from nats.aio.client import Client
+
+from schemas.events import Durations, TaskCompleted, TaskFailed
+from schemas.route import CHUNK_HEADER, StreamChunk, ToolCall
+from schemas.tasks import TaskMessage
+from services.backends import OnChunk
+from services.runtime.errors import Cancelled, TooLarge
+
+# What headers and the event's own fields add to an outcome beyond its answer: an outcome is
+# checked against the server's max_payload with this much room left.
+OUTCOME_HEADROOM_BYTES = 1024
+
+_encoder = msgspec.json.Encoder()
+
+
+def refused(claimed: asyncio.Future[bool]) -> bool:
+    """Has the attempt's claim come back refused (a stale copy)?"""
+    if not claimed.done() or claimed.cancelled() or claimed.exception() is not None:
+        return False
+    return not claimed.result()
+
+
+def fitting(outcome: TaskCompleted | TaskFailed, max_payload: int) -> TaskCompleted | TaskFailed:
+    """The outcome, or an explicit failure when the answer is too large to store as one event
+    (a huge batch of embeddings, say): never a publish that fails over and over."""
+    limit = max_payload - OUTCOME_HEADROOM_BYTES
+    size = len(_encoder.encode(outcome))
+    if size <= limit:
+        return outcome
+    return TaskFailed(
+        at=time.time(),
+        task_id=outcome.task_id,
+        attempt=outcome.attempt,
+        worker=outcome.worker,
+        code=TooLarge.code,
+        reason=(
+            f"the answer is {size} bytes, over what one event can hold ({limit} bytes: the "
+            "NATS server's max_payload less headers); send fewer inputs per request"
+        ),
+        durations=outcome.durations,
+    )
+
+
+def cancelled(
+    task: TaskMessage, worker_id: str, reason: str | None, started: float | None
+) -> TaskFailed:
+    """The outcome of a task whose client cancelled it (``started``: when its work began, by
+    ``time.perf_counter``); not retryable: nobody waits."""
+    durations = (
+        None if started is None else Durations(total_ms=(time.perf_counter() - started) * 1000)
+    )
+    return TaskFailed(
+        at=time.time(),
+        task_id=task.task_id,
+        attempt=task.attempt,
+        worker=worker_id,
+        code=Cancelled.code,
+        reason=reason or "cancelled by its client",
+        durations=durations,
+    )
+
+
+def chunk_publisher(nc: Client, task: TaskMessage, claimed: asyncio.Future[bool]) -> OnChunk:
+    """Publish each piece to the task's stream subject (core NATS: a lost chunk is only a gap
+    on the screen; the whole answer is in the outcome event), once the attempt's claim is
+    stored: a stale copy sends nothing."""
+    subject = task.stream_subject or ""
+    seq = 0
+
+    async def publish(
+        response: str, thinking: str, tool_calls: list[ToolCall] | None = None
+    ) -> None:
+        nonlocal seq
+        if not claimed.done():
+            await asyncio.wait([claimed])
+        if claimed.cancelled() or claimed.exception() is not None or not claimed.result():
+            return
+        seq += 1
+        chunk = StreamChunk(
+            task_id=task.task_id,
+            seq=seq,
+            response=response,
+            thinking=thinking,
+            tool_calls=tool_calls,
+        )
+        await nc.publish(subject, _encoder.encode(chunk), headers={CHUNK_HEADER: str(seq)})
+
+    return publish

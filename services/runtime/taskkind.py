@@ -1,0 +1,95 @@
+"""What a worker kind is to the task loop (`services.runtime.taskloop`): its settings, what it
+serves, and what it does with one claimed task."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from structlog.typing import FilteringBoundLogger
+
+from schemas.events import TaskCompleted, TaskFailed
+from schemas.models import ModelFacts
+from schemas.tasks import TaskMessage
+from schemas.workers import Capability
+from services.backends import OnChunk, Progress
+from services.runtime.consumers import Queue
+from services.runtime.sleep import SleepPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSettings:
+    """What the loop needs of a kind's settings."""
+
+    worker_id: str
+    host: str
+    heartbeat_interval_s: float
+    worker_ttl_s: float
+    ack_wait_s: float
+    stop_grace_s: float
+    # After the grace, how long a kind that can wrap up gets to record what it has; None:
+    # the task is stopped at once and goes back to its queue.
+    wrap_up_s: float | None = None
+    # False: a task is never run a second time (a redelivered started task whose starter is
+    # gone fails instead), and its work begins only once its claim is stored.
+    runs_twice: bool = True
+    sleep: SleepPolicy | None = None
+    wol_mac: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One claimed task, as a kind's `Kind.run` gets it."""
+
+    task: TaskMessage
+    progress: Progress  # call as output arrives: the message is not redelivered meanwhile
+    on_chunk: OnChunk | None  # the stream's publisher, when the client streams
+    cut: asyncio.Event  # set when a stop's grace is over: record what you have, now
+    log: FilteringBoundLogger
+
+
+class Kind(Protocol):
+    """What a worker kind does; everything else is the loop's."""
+
+    @property
+    def supports(self) -> Sequence[Capability]:
+        """What the worker does, for routing: ``cpu_inference``, ``web_search``..."""
+        ...
+
+    @property
+    def backend_kind(self) -> str:
+        """For the registry: ``ollama``, ``openai``."""
+        ...
+
+    @property
+    def address(self) -> str:
+        """The backend's address, for the registry and the logs."""
+        ...
+
+    @property
+    def models(self) -> list[str]:
+        """The models served, by the names routing uses."""
+        ...
+
+    @property
+    def facts(self) -> list[ModelFacts]: ...
+
+    def queues(self) -> list[Queue]:
+        """The queues to pull, the first one longest."""
+        ...
+
+    async def prepare(self, stop: asyncio.Event) -> None:
+        """Before the lease: learn what is served (may wait for the backend while not stop)."""
+        ...
+
+    def serves(self, task: TaskMessage) -> bool:
+        """Can this worker run a task from a checked (shared) queue?"""
+        ...
+
+    async def run(self, attempt: Attempt) -> TaskCompleted | TaskFailed:
+        """The claimed task's outcome; an exception returns the task to its queue."""
+        ...
+
+    async def close(self) -> None: ...

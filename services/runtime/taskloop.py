@@ -1,0 +1,302 @@
+"""The task loop every worker kind runs on: one task at a time, nothing lost, nothing stale.
+
+A kind (inference, web search) says what it serves and what it does with a claimed task
+(`Kind`); the loop does everything else, the same way for every kind:
+
+- start: the kind's preparation (models, sanity runs), the lease (one process per worker id),
+  cancel notices, the consumers, the ``registered`` event;
+- pull: the first queue long, the others briefly, at most one message held over all of them;
+  a message a kind cannot serve (a shared queue's) goes back at once;
+- a redelivered message: acknowledged when its outcome is stored; for a kind that never runs
+  a task twice, failed when its starter is gone (`services.fleet.takeover`);
+- the claim: the attempt's ``started``, fenced on its ``routed`` so a stale copy is dropped,
+  stored while the work begins; nothing of the attempt (a stream chunk, the outcome) leaves
+  before it;
+- ``in_progress`` while the work runs; a cancel notice stops the work;
+- the outcome stored, then the message acknowledged;
+- stop: the running task gets ``stop_grace_s``; a kind that can wrap up is then told to
+  (``Attempt.cut``) and given ``wrap_up_s`` to record what it has; whatever still runs goes
+  back to its queue;
+- idle sleep, for kinds with a `SleepPolicy`.
+
+This module is the worker's life (start, pull, stop); one task's way through is
+`services.runtime.taskrun`; what a kind provides is `services.runtime.taskkind`.
+
+The durable consumers have ``max_ack_pending=1`` (the own queue), so the server never hands a
+worker id a second task while one is unacknowledged, however many processes bind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from contextlib import suppress
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+
+from schemas.events import WorkerRegistered
+from schemas.subjects import CANCEL_NOTICES
+from schemas.tasks import TaskMessage
+from schemas.workers import WorkerRecord
+from services import __version__
+from services.runtime.bus import ensure_streams, publish_event
+from services.runtime.consumers import Queue, bind
+from services.runtime.lease import Lease, LeaseLost, deregister
+from services.runtime.pull import pull_one
+from services.runtime.sleep import forget_sleeping, go_to_sleep, watch_idle
+from services.runtime.taskkind import Kind, LoopSettings
+from services.runtime.taskrun import TaskRunner
+
+log = structlog.get_logger("taskloop")
+
+_task_decoder = msgspec.json.Decoder(TaskMessage)
+_encoder = msgspec.json.Encoder()
+
+# Long-poll times: the first queue long (tasks for this worker), the others short (so a task
+# routed to this worker waits at most this long while the worker looks at a shared queue).
+FIRST_POLL_S = 1.0
+OTHER_POLL_S = 0.2
+# Cancel notices kept for tasks this worker may take later (queued ones); oldest forgotten first.
+CANCEL_MEMORY = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A bound queue."""
+
+    queue: Queue
+    sub: JetStreamContext.PullSubscription
+
+
+class TaskLoop:
+    """Registers a worker of one kind, heartbeats, and runs its tasks strictly one at a time."""
+
+    def __init__(self, nc: Client, kind: Kind, settings: LoopSettings) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.kind = kind
+        self.settings = settings
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.runner = TaskRunner(nc, self.js, kind, settings)
+        self.started_at = self.runner.last_activity
+        self.lease: Lease | None = None
+        self.asleep = asyncio.Event()
+        self._running: asyncio.Task[bool] | None = None  # what a stop may cancel
+        self._cancel_sub: Subscription | None = None
+
+    def record(self) -> WorkerRecord:
+        s = self.settings
+        return WorkerRecord(
+            worker_id=s.worker_id,
+            host=s.host,
+            instance_id=self.instance_id,
+            pid=os.getpid(),
+            version=__version__,
+            supports=list(self.kind.supports),
+            models=self.kind.models,
+            started_at=self.started_at,
+            heartbeat_at=time.time(),
+            state="busy" if self.runner.current_task else "idle",
+            current_task=self.runner.current_task,
+            current_model=self.runner.current_model if self.runner.current_task else None,
+            backend=self.kind.backend_kind,
+            backend_url=self.kind.address,
+            wol_mac=s.wol_mac,
+            facts=self.kind.facts,
+        )
+
+    # -- start and stop ------------------------------------------------------------------------
+
+    async def start(self, stop: asyncio.Event) -> list[Source]:
+        """Prepare the kind, take the lease, bind the queues and announce the worker."""
+        s = self.settings
+        self.runner.registry = await ensure_streams(self.js, worker_ttl_s=s.worker_ttl_s)
+        await self.kind.prepare(stop)
+        self.lease = Lease(self.runner.registry, s.worker_id, s.worker_ttl_s, self.record)
+        await self.lease.acquire()
+        if s.sleep is not None:
+            await forget_sleeping(self.js, s.worker_id)
+        # Before the first task can arrive, so no cancel for a task taken here is missed.
+        self._cancel_sub = await self.nc.subscribe(CANCEL_NOTICES, cb=self.runner.on_cancel)
+        queues = self.kind.queues()
+        sources = [Source(queue, await bind(self.js, queue, s.ack_wait_s)) for queue in queues]
+        await publish_event(
+            self.js,
+            WorkerRegistered(
+                at=time.time(),
+                worker_id=s.worker_id,
+                host=s.host,
+                instance_id=self.instance_id,
+                models=self.kind.models,
+                supports=list(self.kind.supports),
+                version=__version__,
+            ),
+        )
+        log.info(
+            "worker ready",
+            worker_id=s.worker_id,
+            supports=self.kind.supports,
+            models=self.kind.models,
+            backend=self.kind.address,
+            queues=[queue.subject for queue in queues],
+        )
+        return sources
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Start, pull tasks until ``stop`` (or the lease is lost, or sleep), then stop cleanly."""
+        try:
+            sources = await self.start(stop)
+        except BaseException:
+            await self.kind.close()
+            raise
+        assert self.lease is not None
+        background = [asyncio.create_task(self.lease.keep(self.settings.heartbeat_interval_s))]
+        if self.settings.sleep is not None:
+            background.append(
+                asyncio.create_task(
+                    watch_idle(
+                        self.settings.sleep,
+                        started_at=self.started_at,
+                        last_activity=lambda: self.runner.last_activity,
+                        busy=lambda: self.runner.current_task is not None,
+                        asleep=self.asleep,
+                    )
+                )
+            )
+        try:
+            await self.serve(sources, stop)
+        finally:
+            for job in background:
+                job.cancel()
+                with suppress(asyncio.CancelledError):
+                    await job
+            for sub in (*(source.sub for source in sources), self._cancel_sub):
+                if sub is not None:
+                    with suppress(Exception):
+                        await sub.unsubscribe()
+            if self.asleep.is_set() and self.settings.sleep is not None:
+                idle_s = time.time() - self.runner.last_activity
+                await go_to_sleep(
+                    self.js, self.lease, self.record(), self.settings.sleep, idle_s=idle_s
+                )
+            else:
+                lost = self.lease.lost.is_set()
+                await deregister(self.lease, self.js, "lease lost" if lost else "stopped")
+            await self.kind.close()
+        log.info("worker stopped", worker_id=self.settings.worker_id, **self.runner.counts)
+        if self.lease.lost.is_set():
+            raise LeaseLost(f"worker '{self.settings.worker_id}' stopped: its lease was taken over")
+
+    # -- pulling -------------------------------------------------------------------------------
+
+    async def serve(self, sources: list[Source], stop: asyncio.Event) -> None:
+        """Pull and run tasks one at a time until ``stop``, a lost lease or sleep.
+
+        The first queue is asked first and longest; the others briefly, and only when the
+        first had nothing. After any task the first queue comes first again.
+
+        With more than one queue, right after a task every queue is first looked at without
+        waiting: at full load the router sends every task to the shared queue, and a worker
+        that went back to a long poll of its empty own queue would idle `FIRST_POLL_S` per
+        task while the shared queue fills.
+        """
+        lost = self.lease.lost if self.lease is not None else asyncio.Event()
+        usual = [(src, FIRST_POLL_S if i == 0 else OTHER_POLL_S) for i, src in enumerate(sources)]
+        after_task = [(src, 0.0) for src in sources] + usual if len(sources) > 1 else usual
+        polls = usual
+        watch = asyncio.create_task(self._stop_watch(stop))
+        try:
+            while not (stop.is_set() or lost.is_set() or self.asleep.is_set()):
+                polls_now, polls = polls, usual
+                for source, poll_s in polls_now:
+                    msg = await self._fetch_one(source.sub, poll_s)
+                    if msg is None:
+                        continue
+                    if source.queue.checked and not await self._serves(msg):
+                        continue
+                    await self._run_guarded(msg, stop)
+                    polls = after_task
+                    break
+        finally:
+            watch.cancel()
+
+    async def _fetch_one(
+        self, source: JetStreamContext.PullSubscription, poll_s: float
+    ) -> Msg | None:
+        """The source's next message, waiting up to ``poll_s`` (0: only one already there)."""
+        try:
+            return await pull_one(source, poll_s)
+        except Exception as exc:
+            log.warning("fetch failed", error=repr(exc))
+            await asyncio.sleep(0.5)
+            return None
+
+    async def _serves(self, msg: Msg) -> bool:
+        """A shared task this worker cannot run goes back for another worker."""
+        try:
+            task = _task_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return True  # handle() terminates it with a log line
+        if self.kind.serves(task):
+            return True
+        log.info("shared task for a model not served here; returned", model=task.model)
+        await msg.nak(delay=1)
+        return False
+
+    async def _run_guarded(self, msg: Msg, stop: asyncio.Event) -> None:
+        """Run one task; on stop, `_stop_watch` gives it its grace and then cancels it, and
+        its message goes back to the queue.
+
+        The message is acked here once `handle` has stored the outcome: the serve loop's next
+        pull then leaves in the same write as the ack. A message that arrives once ``stop`` is
+        set goes back at once.
+        """
+        if stop.is_set():
+            with suppress(Exception):
+                await msg.nak()
+            return
+        work = asyncio.create_task(self.runner.handle_traced(msg))
+        self._running = work
+        try:
+            stored = await work
+        except asyncio.CancelledError:
+            this = asyncio.current_task()
+            if not work.cancelled() or (this is not None and this.cancelling()):
+                raise
+            with suppress(Exception):  # stopped by `_stop_watch`
+                await msg.nak()
+            return
+        finally:
+            self._running = None
+        if stored:
+            try:
+                await msg.ack()
+            except Exception as exc:  # stored already: a redelivery is recognised and acked
+                log.warning("ack failed after the outcome was stored", error=repr(exc))
+
+    async def _stop_watch(self, stop: asyncio.Event) -> None:
+        """Once ``stop`` is set, give the running task its grace (and a kind that can wrap up
+        its wrap-up time), then cancel it."""
+        await stop.wait()
+        work = self._running
+        if work is None:
+            return
+        done, _ = await asyncio.wait({work}, timeout=self.settings.stop_grace_s)
+        if not done and self.settings.wrap_up_s is not None:
+            log.warning("stop grace over: wrapping up the task", task_id=self.runner.current_task)
+            self.runner.cut.set()
+            done, _ = await asyncio.wait({work}, timeout=self.settings.wrap_up_s)
+        if not done:
+            log.warning(
+                "stopping: returning the current task to its queue",
+                task_id=self.runner.current_task,
+            )
+            work.cancel()

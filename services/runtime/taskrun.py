@@ -1,0 +1,225 @@
+"""One task message, from its delivery to its stored outcome: the part of the task loop
+(`services.runtime.taskloop`) that every kind's task goes through.
+
+Redelivery settled first (`services.runtime.redelivery`); then the claim and the kind's work
+together (a kind that never runs twice waits for the claim); a cancel notice or a refused claim
+stops the work; the outcome, checked to fit in one event, is stored, and the caller acks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from contextlib import suppress
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+from opentelemetry import trace
+from structlog.typing import FilteringBoundLogger
+
+from schemas.events import TaskCompleted, TaskFailed, TaskStarted
+from schemas.route import CancelRequest
+from schemas.tasks import TaskMessage
+from services.runtime.attempts import cancelled, chunk_publisher, fitting, refused
+from services.runtime.errors import Cancelled
+from services.runtime.outcomes import KeepAlive, claim, moved_on, store_outcome
+from services.runtime.redelivery import settled
+from services.runtime.taskkind import Attempt, Kind, LoopSettings
+from services.runtime.tracing import extract_context
+
+log = structlog.get_logger("taskloop")
+tracer = trace.get_tracer("coordinator.taskloop")
+
+_task_decoder = msgspec.json.Decoder(TaskMessage)
+_cancel_decoder = msgspec.json.Decoder(CancelRequest)
+
+# Cancel notices kept for tasks this worker may take later (queued ones); oldest forgotten first.
+CANCEL_MEMORY = 1024
+
+
+class TaskRunner:
+    """Runs one task message at a time for a kind; knows which task runs and what was cancelled."""
+
+    def __init__(
+        self, nc: Client, js: JetStreamContext, kind: Kind, settings: LoopSettings
+    ) -> None:
+        self.nc = nc
+        self.js = js
+        self.kind = kind
+        self.settings = settings
+        self.registry: KeyValue | None = None  # the workers bucket, once the loop has it
+        self.current_task: str | None = None
+        self.current_model: str | None = None
+        self.last_activity = time.time()
+        self.counts = {"completed": 0, "failed": 0, "cancelled": 0}
+        # Set when a stop's grace is over: a kind that can wrap up records what it has.
+        self.cut = asyncio.Event()
+        self._work: asyncio.Future[TaskCompleted | TaskFailed] | None = None  # a cancel's
+        # task id -> why it was cancelled, from `CANCEL_NOTICES`.
+        self._cancels: OrderedDict[str, str] = OrderedDict()
+
+    # -- one task ------------------------------------------------------------------------------
+
+    async def handle_traced(self, msg: Msg) -> bool:
+        """`handle` in a ``run task`` span continuing the router's trace (``traceparent``)."""
+        with tracer.start_as_current_span(
+            "run task",
+            context=extract_context(msg.headers),
+            kind=trace.SpanKind.CONSUMER,
+            attributes={"messaging.destination.name": msg.subject},
+        ):
+            return await self.handle(msg)
+
+    async def handle(self, msg: Msg) -> bool:
+        """Run one task message to a stored outcome event: True, and the caller acknowledges
+        the message. False when this settled the message already (acked, terminated or
+        returned to the queue)."""
+        try:
+            task = _task_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.error("dropping undecodable task message", subject=msg.subject, error=str(exc))
+            await msg.term()
+            return False
+        bound = log.bind(
+            task_id=task.task_id,
+            attempt=task.attempt,
+            subject=msg.subject,
+            stream_seq=msg.metadata.sequence.stream,
+        )
+        assert self.registry is not None
+        if await settled(
+            self.js,
+            task,
+            msg,
+            bound,
+            self.registry,
+            runs_twice=self.settings.runs_twice,
+            worker_ttl_s=self.settings.worker_ttl_s,
+        ):
+            return False
+        self.current_task = task.task_id
+        self.current_model = task.model
+        outcome: TaskCompleted | TaskFailed
+        try:
+            if task.task_id in self._cancels:
+                # Cancelled while queued: not run, and no outcome for a copy that was moved on.
+                if await moved_on(self.js, task):
+                    bound.warning("stale attempt: the task was moved on; dropped unrun")
+                    await msg.term()
+                    return False
+                outcome = cancelled(
+                    task, self.settings.worker_id, self._cancels.get(task.task_id), None
+                )
+            else:
+                # The claim and the work go out together: the backend does not wait a round
+                # trip, and a stale copy's work is stopped when its claim is refused. A kind
+                # that never runs a task twice waits for the claim: a stale copy does nothing.
+                claimed = asyncio.ensure_future(claim(self.nc, self.js, self._started(task), task))
+                claimed.add_done_callback(self._stop_if_refused)
+                if not self.settings.runs_twice:
+                    await claimed  # a claim that cannot be stored returns the task
+                try:
+                    outcome = await self._attempt(task, msg, claimed, bound)
+                    fresh = await claimed
+                finally:
+                    claimed.cancel()  # a no-op once done
+                if not fresh:
+                    bound.warning("stale attempt: the task was moved on; dropped")
+                    await msg.term()
+                    return False
+            await store_outcome(self.js, outcome)
+        except Exception as exc:
+            # The outcome could not be stored: return the task so it is not lost.
+            bound.error("task not finished; returned to the queue", error=repr(exc))
+            with suppress(Exception):
+                await msg.nak(delay=1)
+            return False
+        finally:
+            self.current_task = None
+            self.last_activity = time.time()
+        self._count(outcome, bound)
+        return True
+
+    def _started(self, task: TaskMessage) -> TaskStarted:
+        return TaskStarted(
+            at=time.time(),
+            task_id=task.task_id,
+            attempt=task.attempt,
+            worker=self.settings.worker_id,
+            host=self.settings.host,
+        )
+
+    async def _attempt(
+        self,
+        task: TaskMessage,
+        msg: Msg,
+        claimed: asyncio.Future[bool],
+        bound: FilteringBoundLogger,
+    ) -> TaskCompleted | TaskFailed:
+        """The kind's work on a claimed task, kept alive, stoppable by a cancel notice."""
+        on_chunk = chunk_publisher(self.nc, task, claimed) if task.stream_subject else None
+        started = time.perf_counter()
+        if task.task_id in self._cancels or refused(claimed):
+            return cancelled(
+                task, self.settings.worker_id, self._cancels.get(task.task_id), started
+            )
+        try:
+            async with KeepAlive(msg, self.settings.ack_wait_s) as alive:
+                # A future of its own, so a cancel notice can stop the work alone.
+                self._work = asyncio.ensure_future(
+                    self.kind.run(Attempt(task, alive.progress, on_chunk, self.cut, bound))
+                )
+                outcome = await self._work
+        except asyncio.CancelledError:
+            this = asyncio.current_task()
+            if this is not None and this.cancelling():
+                raise  # the worker itself is stopping
+            if task.task_id not in self._cancels and not refused(claimed):
+                raise
+            return cancelled(
+                task, self.settings.worker_id, self._cancels.get(task.task_id), started
+            )  # a stale copy's is never stored
+        finally:
+            self._work = None
+        return fitting(outcome, self.nc.max_payload)
+
+    def _stop_if_refused(self, claimed: asyncio.Future[bool]) -> None:
+        """A refused claim stops the work at once: the copy is stale."""
+        if refused(claimed) and self._work is not None:
+            self._work.cancel()
+
+    def _count(self, outcome: TaskCompleted | TaskFailed, bound: FilteringBoundLogger) -> None:
+        if isinstance(outcome, TaskCompleted):
+            self.counts["completed"] += 1
+            fields: dict[str, object] = {"total_ms": round(outcome.durations.total_ms, 1)}
+            if outcome.sources is not None:
+                fields["sources"] = len(outcome.sources)
+            if outcome.note is not None:
+                fields["note"] = outcome.note
+            bound.info("task done", model=outcome.model, **fields)
+        elif outcome.code == Cancelled.code:
+            self.counts["cancelled"] += 1
+            bound.info("task cancelled", reason=outcome.reason)
+        else:
+            self.counts["failed"] += 1
+            bound.warning("task failed", code=outcome.code, reason=outcome.reason)
+
+    async def on_cancel(self, msg: Msg) -> None:
+        """Remember a cancel notice; stop the work if it is for the running task."""
+        try:
+            notice = _cancel_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if notice.task_id is None:
+            return  # the router's notices always name the task
+        self._cancels[notice.task_id] = notice.reason or "cancelled by its client"
+        while len(self._cancels) > CANCEL_MEMORY:
+            self._cancels.popitem(last=False)
+        if notice.task_id == self.current_task and self._work is not None:
+            log.info("cancelling the running task", task_id=notice.task_id, reason=notice.reason)
+            self._work.cancel()
