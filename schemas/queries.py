@@ -7,7 +7,7 @@ import msgspec
 from schemas.base import Wire
 from schemas.events import Durations, Tokens
 from schemas.models import ModelFacts
-from schemas.route import TaskStatus, TaskType
+from schemas.route import ErrorDetail, TaskStatus, TaskType
 
 
 class TaskQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -32,6 +32,10 @@ class TaskView(Wire, frozen=True, kw_only=True):
     created_at: float
     ended_at: float | None = None
     error: str | None = None
+    """``failure`` as one line, ``code: message``, for people and for readers that predate
+    ``failure``. Never parsed: read ``failure`` (`schemas.route.failure_of`)."""
+    failure: ErrorDetail | None = None
+    """Why the task's current attempt failed: the ``failed`` event's code and reason."""
 
 
 class WorkersQuery(Wire, frozen=True, kw_only=True):

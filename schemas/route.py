@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
@@ -117,6 +117,19 @@ class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     older ``/api/embeddings``, whose vectors are the model's own."""
 
 
+class ErrorDetail(Wire, frozen=True, kw_only=True):
+    """An error as data: the code programs branch on, the message people read."""
+
+    code: str
+    message: str
+
+    @property
+    def summary(self) -> str:
+        """``code: message`` (the code alone without a message), for people: what a
+        reply's ``error`` text says."""
+        return f"{self.code}: {self.message}" if self.message else self.code
+
+
 DoneReason = Literal["stop", "length", "tool_calls"]
 
 
@@ -130,6 +143,11 @@ class RouteReply(Wire, frozen=True, kw_only=True):
     response: str | None = None
     thinking: str | None = None
     error: str | None = None
+    """A failed task's ``failure`` as one line, ``code: message``, for people and for readers
+    that predate ``failure``. Never parsed: read ``failure``."""
+    failure: ErrorDetail | None = None
+    """Why the task failed (``status`` ``failed``): the code of the ``failed`` event and its
+    reason. Absent in a reply from a router that predates it (see `failure_of`)."""
     model: str | None = None
     """The model that did (or, for a web search whose summary failed, was asked to do) the work."""
     host: str | None = None
@@ -152,9 +170,27 @@ class RouteReply(Wire, frozen=True, kw_only=True):
     the bytes OpenAI's ``encoding_format: "base64"`` gives); see `schemas.vectors`."""
 
 
-class ErrorDetail(Wire, frozen=True, kw_only=True):
-    code: str
-    message: str
+class Failed(Protocol):
+    """A reply or view that may say why its task failed (`RouteReply`, ``TaskView``)."""
+
+    @property
+    def failure(self) -> ErrorDetail | None: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+
+# The code of a failure whose code is not known: one told by a reply that predates ``failure``.
+UNKNOWN_FAILURE: Final = "failed"
+
+
+def failure_of(reply: Failed) -> ErrorDetail:
+    """Why the task of ``reply`` failed: its ``failure``; from a sender that predates that
+    field, code `UNKNOWN_FAILURE` with the ``error`` text as the message (not parsed: the
+    text is for people)."""
+    if reply.failure is not None:
+        return reply.failure
+    return ErrorDetail(code=UNKNOWN_FAILURE, message=reply.error or "no reason given")
 
 
 class ErrorBody(Wire, frozen=True, kw_only=True):

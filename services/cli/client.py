@@ -1,6 +1,7 @@
 """Client side of the CLI: finding the stack and connecting to it.
 
-Calling the endpoints (`call`, `stream_call`, `RemoteError`) is `services.runtime.request`.
+Calling the endpoints (`call`, `stream_call`: an error reply raised as its code's class) is
+`services.runtime.request`.
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from schemas.subjects import ROUTE, TASK, WORKERS
 from services import __version__
 from services.cli import deploy, doctor, stats_commands
 from services.cli.client import open_client
-from services.runtime.errors import CoordinatorError
+from services.runtime.errors import ConfigError, CoordinatorError
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.logging import setup_logging
-from services.runtime.request import RemoteError, call, stream_call
+from services.runtime.request import call, stream_call
 from services.runtime.settings import (
     GatewaySettings,
     ReaperSettings,
@@ -49,12 +49,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         code = args.func(args)
-    except CoordinatorError as exc:
+    except CoordinatorError as exc:  # error replies too (`services.runtime.request`)
         print(f"error {exc.code}: {exc.message}", file=sys.stderr)
-        code = EXIT_USAGE if exc.code == "config" else EXIT_FAILED
-    except RemoteError as exc:
-        print(f"error {exc.code}: {exc.message}", file=sys.stderr)
-        code = EXIT_FAILED
+        code = EXIT_USAGE if exc.code == ConfigError.code else EXIT_FAILED
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
@@ -241,7 +238,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     reply = msgspec.json.decode(body, type=route.RouteReply)
     if reply.status == "failed":
         print(
-            f"error task_failed: task {reply.task_id} on {reply.worker}: {reply.error}",
+            f"error task_failed: task {reply.task_id} on {reply.worker}: "
+            f"{route.failure_of(reply).summary}",
             file=sys.stderr,
         )
         return EXIT_FAILED
@@ -275,7 +273,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
     reply = msgspec.json.decode(body, type=route.RouteReply)
     if reply.status == "failed":
         print(
-            f"error task_failed: task {reply.task_id} on {reply.worker}: {reply.error}",
+            f"error task_failed: task {reply.task_id} on {reply.worker}: "
+            f"{route.failure_of(reply).summary}",
             file=sys.stderr,
         )
         return EXIT_FAILED
@@ -326,8 +325,8 @@ def cmd_task(args: argparse.Namespace) -> int:
         )
     if view.tokens is not None:
         rows.append(("tokens", f"prompt {view.tokens.prompt}, eval {view.tokens.eval}"))
-    if view.error:
-        rows.append(("error", view.error))
+    if view.failure is not None or view.error:
+        rows.append(("error", route.failure_of(view).summary))
     if view.thinking:
         rows.append(("thinking", view.thinking))
     rows.append(("response", view.response))

@@ -17,16 +17,10 @@ from dataclasses import dataclass
 from schemas.models import DEFAULT_CAPABILITIES, does_not_support, missing
 from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE, Tier, worker_queue
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
-from services.runtime.errors import NoWorker, UnsupportedCapability
+from services.runtime.errors import NoWorker, UnsupportedCapability, WorkerUnavailable
 
 # The worker name a task on the shared CPU queue is routed to.
 SHARED_WORKER = "shared"
-
-
-class WorkerUnavailable(NoWorker):
-    """The designated worker cannot take the task; never silently rerouted."""
-
-    code = "worker_unavailable"
 
 
 # Typical duration (ms) assumed when no worker has figures for the model yet; only the ratio

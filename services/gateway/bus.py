@@ -15,15 +15,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from schemas.queries import WorkersReply, WorkerView
-from schemas.route import CHUNK_HEADER, CancelRequest, ErrorBody, RouteReply
+from schemas.route import CHUNK_HEADER, CancelRequest, ErrorBody, RouteReply, failure_of
 from schemas.subjects import CANCEL, WORKERS
-from services.gateway.common import (
-    ApiError,
-    encoder,
-    failure_of,
-    failure_status,
-    refusal_status,
-)
+from services.gateway.common import ApiError, encoder, failure_status, refusal_status
+from services.runtime.errors import NoResponder, NotFound, NoWorker, WaitTimeout
 
 log = structlog.get_logger("gateway")
 
@@ -95,9 +90,11 @@ class FleetBus:
         try:
             reply = await self.nc.request(subject, body, timeout=timeout_s)
         except nats.errors.NoRespondersError:
-            raise ApiError(503, "no_responder", f"no service answers {subject}") from None
+            raise ApiError(503, NoResponder.code, f"no service answers {subject}") from None
         except nats.errors.TimeoutError:
-            raise ApiError(504, "timeout", f"{subject} did not answer in {timeout_s:g} s") from None
+            raise ApiError(
+                504, WaitTimeout.code, f"{subject} did not answer in {timeout_s:g} s"
+            ) from None
         headers = reply.headers or {}
         code = headers.get("Nats-Service-Error-Code")
         if code is not None:
@@ -124,22 +121,22 @@ class FleetBus:
         """The router's last message as a reply; refusals (and, ``failed_is_error``, failed
         tasks) as `ApiError`."""
         if headers.get("Status") == "503":
-            raise ApiError(503, "no_responder", "no router answers coordinator.route")
+            raise ApiError(503, NoResponder.code, "no router answers coordinator.route")
         code = headers.get("Nats-Service-Error-Code")
         if code is not None:
             message = _error_message(data, headers)
-            has_workers = await self.has_workers() if code == "no_worker" else False
+            has_workers = await self.has_workers() if code == NoWorker.code else False
             status = refusal_status(code, fleet_has_workers=has_workers)
-            if status == 404 and code == "no_worker":
+            if status == 404 and code == NoWorker.code:
                 message = f"model not found: {message}"
             raise ApiError(status, code, message)
         reply = _reply_decoder.decode(data)
         if reply.status == "failed" and failed_is_error:
-            failure, reason = failure_of(reply)
+            failure = failure_of(reply)
             raise ApiError(
-                failure_status(failure),
-                failure,
-                f"task {reply.task_id} failed on worker {reply.worker}: {reason}",
+                failure_status(failure.code),
+                failure.code,
+                f"task {reply.task_id} failed on worker {reply.worker}: {failure.message}",
             )
         return reply
 
@@ -158,7 +155,7 @@ class FleetBus:
                 try:
                     await self.call(CANCEL, encoder.encode(cancel), QUERY_TIMEOUT_S)
                 except ApiError as exc:
-                    if exc.code != "not_found" or attempt == CANCEL_TRIES - 1 or task_id:
+                    if exc.code != NotFound.code or attempt == CANCEL_TRIES - 1 or task_id:
                         raise
                     if any(CHUNK_HEADER not in (m.headers or {}) for m in drain(queue)):
                         return  # answered (refused, or ended) in the meantime

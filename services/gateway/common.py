@@ -20,6 +20,24 @@ from typing import Any, Final, Protocol, TypeVar
 import msgspec
 
 from schemas.route import RouteReply, RouteRequest, StreamChunk
+from schemas.subjects import InvalidId
+from services.runtime.errors import (
+    BackendError,
+    BackendTimeout,
+    BadRequest,
+    CoordinatorError,
+    NoResponder,
+    NotFound,
+    NoWorker,
+    PromptTooLarge,
+    TooLarge,
+    Unavailable,
+    Unsupported,
+    UnsupportedCapability,
+    WaitTimeout,
+    WakeTimeout,
+    WorkerUnavailable,
+)
 
 # The Ollama API version whose shapes the gateway speaks (thinking, /api/ps fields, /v1).
 OLLAMA_API_VERSION: Final = "0.12.0"
@@ -32,14 +50,15 @@ NS_PER_S: Final = 1_000_000_000
 encoder: Final = msgspec.json.Encoder()
 
 
-class ApiError(Exception):
-    """A request the gateway answers with an HTTP error, in the API's own error shape."""
+class ApiError(CoordinatorError):
+    """A request the gateway answers with an HTTP error, in the API's own error shape: a
+    `CoordinatorError` carrying the code it was given (a catalogued one, or the router's or a
+    task's) and the HTTP ``status`` that code has here (`refusal_status`, `failure_status`)."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +143,9 @@ def decode(body: bytes, kind: type[T], what: str) -> T:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        raise ApiError(400, "bad_request", f"invalid {what} request: {exc}") from None
+        raise ApiError(400, BadRequest.code, f"invalid {what} request: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise ApiError(400, "bad_request", f"{what} request is not valid JSON: {exc}") from None
+        raise ApiError(400, BadRequest.code, f"{what} request is not valid JSON: {exc}") from None
 
 
 def refuse(field: str, present: object, why: str = "") -> None:
@@ -134,13 +153,13 @@ def refuse(field: str, present: object, why: str = "") -> None:
     if present:
         reason = f": {why}" if why else ""
         raise ApiError(
-            400, "unsupported", f"'{field}' is not supported by the Coordinator gateway{reason}"
+            400, Unsupported.code, f"'{field}' is not supported by the Coordinator gateway{reason}"
         )
 
 
 def require_model(model: str) -> None:
     if not model.strip():
-        raise ApiError(400, "bad_request", "model is required")
+        raise ApiError(400, BadRequest.code, "model is required")
 
 
 # Go's time.ParseDuration units, which Ollama's ``keep_alive`` strings use ("5m", "0s", "1h30m").
@@ -179,7 +198,7 @@ def keep_alive_ns(value: Any) -> int | None:
             total = int(sum(Decimal(number) * _GO_UNITS[unit] for number, unit in parts))
             return FOREVER_NS if negative and total else min(total, FOREVER_NS)
     raise ApiError(
-        400, "bad_request", f"invalid keep_alive {value!r}: seconds, or a duration like '5m'"
+        400, BadRequest.code, f"invalid keep_alive {value!r}: seconds, or a duration like '5m'"
     )
 
 
@@ -247,7 +266,7 @@ def vectors(reply: RouteReply) -> list[bytes]:
     if reply.embeddings is None:
         raise ApiError(
             502,
-            "backend_error",
+            BackendError.code,
             f"task {reply.task_id} on worker {reply.worker} returned no embeddings",
         )
     return reply.embeddings
@@ -256,23 +275,23 @@ def vectors(reply: RouteReply) -> list[bytes]:
 # -- error statuses -----------------------------------------------------------------------------
 
 _REFUSAL_STATUS: Final = {
-    "bad_request": 400,
-    "prompt_too_large": 400,
-    "unsupported": 400,
-    "unsupported_capability": 400,
-    "invalid_id": 400,
-    "not_found": 404,
-    "too_large": 413,
-    "worker_unavailable": 503,
-    "unavailable": 503,
-    "no_responder": 503,
-    "busy": 503,
-    "timeout": 504,
+    BadRequest.code: 400,
+    PromptTooLarge.code: 400,
+    Unsupported.code: 400,
+    UnsupportedCapability.code: 400,
+    InvalidId.code: 400,
+    NotFound.code: 404,
+    TooLarge.code: 413,
+    WorkerUnavailable.code: 503,
+    Unavailable.code: 503,
+    NoResponder.code: 503,
+    "busy": 503,  # the stats service's rebuild in progress (services.stats.rebuild)
+    WaitTimeout.code: 504,
 }
 _FAILURE_STATUS: Final = {
-    "backend_timeout": 504,
-    "timeout": 504,
-    "wake_timeout": 503,
+    BackendTimeout.code: 504,
+    WaitTimeout.code: 504,
+    WakeTimeout.code: 503,
 }
 
 
@@ -283,7 +302,7 @@ def refusal_status(code: str, *, fleet_has_workers: bool) -> int:
     live, and a fleet without capacity (503) when none is. A model no live worker's copy of
     can do what the request needs (``unsupported_capability``) is Ollama's 400.
     """
-    if code == "no_worker":
+    if code == NoWorker.code:
         return 404 if fleet_has_workers else 503
     return _REFUSAL_STATUS.get(code, 500)
 
@@ -292,9 +311,3 @@ def failure_status(code: str) -> int:
     """The HTTP status of a task that ran and failed: the upstream failed (502), or timed out
     (504), or a sleeping worker did not wake (503)."""
     return _FAILURE_STATUS.get(code, 502)
-
-
-def failure_of(reply: RouteReply) -> tuple[str, str]:
-    """(code, reason) of a failed reply, whose ``error`` reads ``code: reason``."""
-    code, sep, reason = (reply.error or "failed").partition(": ")
-    return (code, reason) if sep else ("failed", code)

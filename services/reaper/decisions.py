@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Final
 
 from schemas.models import DEFAULT_CAPABILITIES
 from schemas.tasks import is_retryable
@@ -28,12 +27,14 @@ from services.fleet.liveness import live
 from services.fleet.policy import Decision, choose
 from services.reaper.detectors import DEAD_WORKER, TaskFinding
 from services.reaper.view import TaskTrack
-from services.runtime.errors import NoWorker, UnsupportedCapability, WorkerLost
-
-# Codes of the failures the reaper records (`TaskFailed.code`).
-NO_ALTERNATIVE: Final = "no_alternative_worker"
-TOO_MANY_ATTEMPTS: Final = "too_many_attempts"
-DESIGNATED_LOST: Final = "worker_unavailable"
+from services.runtime.errors import (
+    NoAlternativeWorker,
+    NoWorker,
+    TooManyAttempts,
+    UnsupportedCapability,
+    WorkerLost,
+    WorkerUnavailable,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +99,11 @@ def decide(
         try:
             decision = choose(task.model, alive, designated=task.designated, needs=needs)
         except (NoWorker, UnsupportedCapability) as exc:
-            return fail(DESIGNATED_LOST, f"{exc.message} (reason={finding.reason})")
+            return fail(WorkerUnavailable.code, f"{exc.message} (reason={finding.reason})")
         return Move(task.task_id, 1, decision, f"routed by the reaper ({finding.detail})")
     if task.designated is not None:
         return fail(
-            DESIGNATED_LOST,
+            WorkerUnavailable.code,
             f"worker '{task.designated}' was asked for by name and cannot run the task "
             f"(reason={finding.reason}): {finding.detail}; a task for a named worker is not "
             "moved to another",
@@ -115,14 +116,14 @@ def decide(
         )
     if task.attempt + 1 > max_attempts:
         return fail(
-            TOO_MANY_ATTEMPTS,
+            TooManyAttempts.code,
             f"gave up after {task.attempt} attempts (reason={finding.reason}): {finding.detail}",
         )
     others = [w for w in alive if w.worker_id != finding.worker]
     try:
         decision = choose(task.model, others, gpu_models=gpu_models, depth=depth, needs=needs)
     except (NoWorker, UnsupportedCapability):
-        return fail(NO_ALTERNATIVE, single_point_of_failure(task.model, finding.reason))
+        return fail(NoAlternativeWorker.code, single_point_of_failure(task.model, finding.reason))
     return Move(
         task.task_id,
         task.attempt + 1,

@@ -1,19 +1,84 @@
-"""One error hierarchy; every error has a stable code that clients can branch on."""
+"""One error hierarchy, and the catalogue of its codes.
+
+Every error is a `CoordinatorError` with a stable ``code`` that clients branch on and a
+``message`` for people. Each code is defined once, by one class: a subclass that names a code
+registers it in the catalogue (`CoordinatorError.__init_subclass__`), and a second class naming
+a code already taken is refused when its module is imported. So an error reply, or a failed
+task's ``(code, message)``, maps back to its class (`from_code`, as nats.py's ``from_error``
+does), and a code no class here names (a newer service's) becomes a `RemoteError` that keeps
+it. Nobody matches on message text or class names.
+
+The codes of failures recorded in ``failed`` events (``wake_timeout``, ``too_many_attempts``,
+...) are classes here too, so that a code read back from a reply is the same catalogue entry
+whether it was raised or recorded.
+
+A service's own error class defined in its own module (the stats service's ``conflict``, say)
+registers when that module is imported; until then `from_code` gives a `RemoteError` with the
+same code, which is all a client branches on.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+_catalogue: dict[str, type[CoordinatorError]] = {}
 
 
 class CoordinatorError(Exception):
     """Root of the project's errors. ``code`` is stable; ``message`` is for people."""
 
-    code: ClassVar[str] = "internal"
+    code: str = "internal"
+    """The error's code: a class attribute, except on `RemoteError` and the gateway's
+    ``ApiError``, which carry the code they were given."""
     retryable: ClassVar[bool] = False
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        code = cls.__dict__.get("code")
+        if isinstance(code, str):  # a subclass without a code of its own shares its parent's
+            _register(code, cls)
+
+
+def _register(code: str, cls: type[CoordinatorError]) -> None:
+    known = _catalogue.get(code)
+    # The same class again is a module imported twice (a reload), not a second definition.
+    if known is not None and _name(known) != _name(cls):
+        raise TypeError(f"error code {code!r} is defined twice: by {_name(known)} and {_name(cls)}")
+    _catalogue[code] = cls
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_register(CoordinatorError.code, CoordinatorError)
+
+
+class RemoteError(CoordinatorError):
+    """An error a service replied with whose code no class in the catalogue names; it keeps
+    the code, so a client can still branch on it."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def from_code(code: str, message: str) -> CoordinatorError:
+    """The error a reply's (or a failed task's) ``code`` and ``message`` stand for: an
+    instance of the class that defines the code, else a `RemoteError` that keeps it."""
+    cls = _catalogue.get(code)
+    return cls(message) if cls is not None else RemoteError(code, message)
+
+
+def catalogue() -> Mapping[str, type[CoordinatorError]]:
+    """Every code registered so far and its class (read-only)."""
+    return MappingProxyType(_catalogue)
 
 
 class ConfigError(CoordinatorError):
@@ -42,10 +107,41 @@ class UnsupportedCapability(BadRequest):
     code = "unsupported_capability"
 
 
+class Unsupported(BadRequest):
+    """A feature of a client API (a request field, a remote image) the fleet does not honour:
+    refused by name, never silently dropped."""
+
+    code = "unsupported"
+
+
 class NoWorker(CoordinatorError):
     """No live worker can serve the request right now."""
 
     code = "no_worker"
+
+
+class WorkerUnavailable(NoWorker):
+    """The designated worker cannot take the task; never silently rerouted."""
+
+    code = "worker_unavailable"
+
+
+class NoAlternativeWorker(NoWorker):
+    """The reaper found no other live worker for a task it had to move (lesson 4)."""
+
+    code = "no_alternative_worker"
+
+
+class TooManyAttempts(CoordinatorError):
+    """The reaper gave up on a task after ``MAX_ATTEMPTS`` attempts."""
+
+    code = "too_many_attempts"
+
+
+class WakeTimeout(CoordinatorError):
+    """A sleeping worker was woken for a task but did not start it within ``WAKE_WAIT_S``."""
+
+    code = "wake_timeout"
 
 
 class NotFound(CoordinatorError):
@@ -61,6 +157,13 @@ class Unavailable(CoordinatorError):
 
     code = "unavailable"
     retryable = True
+
+
+class NoResponder(CoordinatorError):
+    """Nobody answers a service's subject (the service is not running), or nothing arrived in
+    time."""
+
+    code = "no_responder"
 
 
 class BackendError(CoordinatorError):
@@ -120,3 +223,15 @@ class WorkerLost(CoordinatorError):
     """The worker running a task stopped (or died) before the task's outcome was recorded."""
 
     code = "worker_lost"
+
+
+class DuplicateWorker(CoordinatorError):
+    """Another live process holds this worker id (two units started the same worker)."""
+
+    code = "duplicate_worker"
+
+
+class LeaseLost(CoordinatorError):
+    """Another process took this worker id's registration while this one held it."""
+
+    code = "lease_lost"

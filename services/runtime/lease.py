@@ -23,21 +23,15 @@ from schemas.events import WorkerStopped
 from schemas.workers import WorkerRecord, worker_record_decoder
 from services.fleet.liveness import is_live
 from services.runtime.bus import is_wrong_last_sequence, publish_event
-from services.runtime.errors import CoordinatorError
+from services.runtime.errors import DuplicateWorker, LeaseLost
+
+# The lease's errors are defined in the catalogue (`services.runtime.errors`) and exported
+# from here too, where their callers look for them.
+__all__ = ["DuplicateWorker", "Lease", "LeaseLost", "deregister"]
 
 log = structlog.get_logger("lease")
 
 _encoder = msgspec.json.Encoder()
-
-
-class DuplicateWorker(CoordinatorError):
-    """Another live process holds this worker id (two units started the same worker)."""
-
-    code = "duplicate_worker"
-
-
-class LeaseLost(CoordinatorError):
-    code = "lease_lost"
 
 
 class Lease:

@@ -44,13 +44,19 @@ from schemas.events import (
 )
 from schemas.models import COMPLETION, facts_in
 from schemas.queries import WorkersReply
-from schemas.route import RouteReply, RouteRequest
+from schemas.route import RouteReply, RouteRequest, failure_of
 from schemas.stats import BaselinesQuery, BaselinesReply
 from schemas.subjects import EVENTS_STREAM, ROUTE, STATS_BASELINES, WORKERS, task_event
 from services.fleet.domains import classify_domain
 from services.runtime.bus import publish_event
-from services.runtime.errors import ConfigError, CoordinatorError, NoWorker
-from services.runtime.request import RemoteError, call
+from services.runtime.errors import (
+    BackendTimeout,
+    ConfigError,
+    CoordinatorError,
+    NoWorker,
+    WaitTimeout,
+)
+from services.runtime.request import call
 from services.stats.baseline import Comparison, PromptBaseline, Sample, compare
 
 EXIT_OK: Final = 0
@@ -146,6 +152,9 @@ class Result:
     load_ms: float | None = None
     task_id: str | None = None
     error: str | None = None
+    """Why it failed, for people (and the ``result`` event): ``code: message`` mostly."""
+    error_code: str | None = None
+    """The code of the failure, for the program (`describe_error`)."""
 
 
 @dataclass
@@ -175,12 +184,18 @@ def new_run_id() -> str:
     return f"bench-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
 
 
-def describe_error(text: str) -> str:
+# Codes a progress line says as ``timed out``.
+_TIMEOUTS: Final = frozenset({BackendTimeout.code, WaitTimeout.code})
+
+
+def describe_error(code: str | None, text: str) -> str:
     """A short reason for a progress line: ``timed out`` for timeouts, else the text."""
-    code = text.split(":", 1)[0].strip()
-    if code in {"backend_timeout", "timeout"}:
-        return "timed out"
-    return text
+    return "timed out" if code in _TIMEOUTS else text
+
+
+def _failed(model: str, worker: str, prompt: BenchPrompt, error: CoordinatorError) -> Result:
+    summary = f"{error.code}: {error.message}"
+    return Result(model, worker, prompt, ok=False, error=summary, error_code=error.code)
 
 
 class Bench:
@@ -219,7 +234,14 @@ class Bench:
         for model in missing:
             for prompt in prompts:
                 await self._result(
-                    Result(model, "", prompt, ok=False, error="no live worker serves it")
+                    Result(
+                        model,
+                        "",
+                        prompt,
+                        ok=False,
+                        error="no live worker serves it",
+                        error_code=NoWorker.code,
+                    )
                 )
         by_worker: dict[str, list[str]] = {}
         for model, worker in plan:
@@ -270,7 +292,7 @@ class Bench:
         query = BaselinesQuery(models=models, exclude_run=self.report.run_id)
         try:
             body = await call(self.nc, STATS_BASELINES, _encoder.encode(query), 30.0)
-        except (CoordinatorError, RemoteError) as exc:
+        except CoordinatorError as exc:
             message = exc.message
             self.report.notes.append(f"no baselines (the stats service: {message})")
             return {}
@@ -299,14 +321,21 @@ class Bench:
             body = await call(
                 self.nc, ROUTE, _encoder.encode(request), self.timeout_s + REQUEST_MARGIN_S
             )
-        except RemoteError as exc:
-            return Result(model, worker, prompt, ok=False, error=f"{exc.code}: {exc.message}")
         except CoordinatorError as exc:
-            return Result(model, worker, prompt, ok=False, error=f"{exc.code}: {exc.message}")
+            return _failed(model, worker, prompt, exc)
         wall_ms = (time.perf_counter() - started) * 1000
         reply = msgspec.json.decode(body, type=RouteReply)
         if reply.status != "done":
-            return Result(model, worker, prompt, ok=False, task_id=reply.task_id, error=reply.error)
+            failure = failure_of(reply)
+            return Result(
+                model,
+                worker,
+                prompt,
+                ok=False,
+                task_id=reply.task_id,
+                error=failure.summary,
+                error_code=failure.code,
+            )
         total_ms, load_ms = await self._durations(reply.task_id, wall_ms)
         return Result(
             model,
@@ -336,7 +365,7 @@ class Bench:
         if result.ok:
             self.say(f"done {result.total_ms or 0:.0f}ms {where} [{result.prompt.name}]")
         else:
-            reason = describe_error(result.error or "failed")
+            reason = describe_error(result.error_code, result.error or "failed")
             self.say(f"error - {where} {reason} [{result.prompt.name}]")
         index = self._index
         self._index += 1

@@ -38,7 +38,7 @@ from schemas.events import (
     Tokens,
 )
 from schemas.queries import TaskView
-from schemas.route import TaskStatus
+from schemas.route import UNKNOWN_FAILURE, ErrorDetail, TaskStatus
 from services.fleet.domains import classify_domain
 from services.runtime.errors import Cancelled
 
@@ -174,11 +174,9 @@ def to_view(state: TaskState) -> TaskView:
         if state.prompt_tokens is not None or state.eval_tokens is not None
         else None
     )
-    error = None
+    failure = None
     if state.error_code is not None or state.error is not None:
-        # The same "code: reason" form the router's reply uses.
-        code = state.error_code or "failed"
-        error = f"{code}: {state.error}" if state.error else code
+        failure = ErrorDetail(code=state.error_code or UNKNOWN_FAILURE, message=state.error or "")
     return TaskView(
         task_id=state.task_id,
         status=state.status,
@@ -194,7 +192,8 @@ def to_view(state: TaskState) -> TaskView:
         tokens=tokens,
         created_at=state.created_at,
         ended_at=state.ended_at,
-        error=error,
+        error=failure.summary if failure is not None else None,
+        failure=failure,
     )
 
 

@@ -129,8 +129,9 @@ async def test_backend_answering_500_ends_the_task_failed_with_the_reason(
     body, _ = await ask(nc)
 
     assert body["status"] == "failed"
-    assert body["error"].startswith("backend_error:")
-    assert "500" in body["error"]
+    assert body["failure"]["code"] == "backend_error"
+    assert "500" in body["failure"]["message"]
+    assert body["error"] == f"backend_error: {body['failure']['message']}"
 
 
 async def test_backend_timing_out_ends_the_task_failed_with_the_reason(
@@ -144,8 +145,9 @@ async def test_backend_timing_out_ends_the_task_failed_with_the_reason(
     body, _ = await ask(nc, timeout_s=0.5)
 
     assert body["status"] == "failed"
-    assert body["error"].startswith("backend_timeout:")
-    assert "0.5 s" in body["error"]
+    assert body["failure"]["code"] == "backend_timeout"
+    assert "0.5 s" in body["failure"]["message"]
+    assert body["error"] == f"backend_timeout: {body['failure']['message']}"
 
 
 async def test_a_slow_waiting_request_does_not_hold_up_others(

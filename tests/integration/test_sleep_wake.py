@@ -119,8 +119,9 @@ async def test_a_worker_that_does_not_wake_in_time_fails_the_task_and_leaves_no_
     )
 
     assert body["status"] == "failed"
-    assert body["error"].startswith("wake_timeout:")
-    assert "'pc' was woken but did not start the task within 1 s" in body["error"]
+    assert body["failure"]["code"] == "wake_timeout"
+    assert "'pc' was woken but did not start the task within 1 s" in body["failure"]["message"]
+    assert body["error"] == f"wake_timeout: {body['failure']['message']}"
     assert (await nc.jetstream().stream_info(TASKS_STREAM)).state.messages == 0
 
 

@@ -18,8 +18,8 @@ from schemas.models import (
 from schemas.route import ChatMessage, RouteRequest
 from schemas.tasks import WORK_FIELDS, TaskMessage, needs_of, work_of
 from schemas.workers import Capability, WorkerRecord
-from services.fleet.policy import WorkerUnavailable, choose, choose_sleeper
-from services.runtime.errors import UnsupportedCapability
+from services.fleet.policy import choose, choose_sleeper
+from services.runtime.errors import UnsupportedCapability, WorkerUnavailable
 
 
 def worker(

@@ -8,11 +8,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from schemas.route import ChatMessage, RouteReply, ToolCall
+from schemas.route import ChatMessage, ErrorDetail, RouteReply, ToolCall, failure_of
 from services.gateway import common, conversation
 from services.gateway.common import ApiError
 from services.gateway.task_api import TaskShape, task_route
-from services.runtime.errors import ConfigError
+from services.runtime.errors import ConfigError, CoordinatorError, catalogue
 from services.runtime.settings import GatewaySettings
 
 DONE = RouteReply(task_id="t-1", status="done", queue="q", worker="cpu-1", response="42")
@@ -176,13 +176,29 @@ def test_refusal_statuses(code: str, has_workers: bool, status: int) -> None:
 
 
 def test_failed_tasks_are_upstream_errors() -> None:
+    failure = ErrorDetail(code="backend_timeout", message="took 9 s")
     failed = RouteReply(
-        task_id="t", status="failed", queue="q", worker="w", error="backend_timeout: took 9 s"
+        task_id="t", status="failed", queue="q", worker="w", error=failure.summary, failure=failure
     )
-    assert common.failure_of(failed) == ("backend_timeout", "took 9 s")
+    assert failure_of(failed) == failure
     assert common.failure_status("backend_timeout") == 504
     assert common.failure_status("backend_error") == 502
     assert common.failure_status("wake_timeout") == 503
+
+
+def test_a_failed_reply_from_an_older_router_is_not_parsed() -> None:
+    old = RouteReply(
+        task_id="t", status="failed", queue="q", worker="w", error="backend_timeout: took 9 s"
+    )
+    assert failure_of(old) == ErrorDetail(code="failed", message="backend_timeout: took 9 s")
+    assert common.failure_status(failure_of(old).code) == 502
+
+
+def test_api_errors_belong_to_the_hierarchy_and_keep_their_code() -> None:
+    error = ApiError(404, "no_worker", "model 'x' not found")
+    assert isinstance(error, CoordinatorError)
+    assert (error.status, error.code, error.message) == (404, "no_worker", "model 'x' not found")
+    assert ApiError not in catalogue().values()  # it names no code of its own
 
 
 def test_too_large_names_the_limit_and_its_variable() -> None:

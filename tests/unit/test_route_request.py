@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.service import new_task_id, parse_route_request
+from services.router.requests import new_task_id, parse_route_request
 from services.runtime.errors import BadRequest, PromptTooLarge
 
 

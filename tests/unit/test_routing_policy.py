@@ -6,8 +6,8 @@ import pytest
 
 from schemas.workers import Capability, WorkerRecord
 from services.fleet.liveness import live
-from services.fleet.policy import WorkerUnavailable, choose, choose_web
-from services.runtime.errors import NoWorker
+from services.fleet.policy import choose, choose_web
+from services.runtime.errors import NoWorker, WorkerUnavailable
 
 
 def worker(

@@ -196,13 +196,21 @@ def test_bench_progress_reasons_table_and_warnings() -> None:
         run_id="bench-1",
         results=[
             Result("gemma3:1b", "esxi", prompt, ok=True, total_ms=18010.0),
-            Result("gemma3:1b", "mac", prompt, ok=False, error="backend_error: boom"),
+            Result(
+                "gemma3:1b",
+                "mac",
+                prompt,
+                ok=False,
+                error="backend_error: boom",
+                error_code="backend_error",
+            ),
         ],
         comparisons=[Comparison("gemma3:1b", "esxi", 18010.0, 9005.0, 2.0, 5)],
     )
 
-    assert describe_error("backend_timeout: Ollama at x did not finish") == "timed out"
-    assert describe_error("no_worker: nobody") == "no_worker: nobody"
+    assert describe_error("backend_timeout", "backend_timeout: Ollama timed out") == "timed out"
+    assert describe_error("timeout", "timeout: coordinator.route did not answer") == "timed out"
+    assert describe_error("no_worker", "no_worker: nobody") == "no_worker: nobody"
     lines = bench_table(report)
     assert lines[1].split() == ["gemma3:1b", "esxi", "1", "0", "18010", "9005", "2.00x", "SLOW"]
     assert lines[2].split() == ["gemma3:1b", "mac", "0", "1", "-", "-", "-"]

@@ -1,0 +1,158 @@
+"""What the router accepts: route and cancel requests decoded and checked. Pure: no I/O.
+
+Every refusal is a `BadRequest` (or one of its kinds) with a message that says what to send
+instead; nothing here reads the fleet.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from schemas.models import EMBEDDING
+from schemas.route import CancelRequest, RouteRequest, image_problem
+from schemas.subjects import InvalidId, check_token
+from services.runtime.errors import BadRequest, PromptTooLarge, TooLarge
+
+# What a task message and the ``submitted`` event add to the request itself (ids, times,
+# subjects, headers), so the size check leaves room for them.
+TASK_OVERHEAD_BYTES: Final = 4096
+
+_route_decoder = msgspec.json.Decoder(RouteRequest)
+_cancel_decoder = msgspec.json.Decoder(CancelRequest)
+
+
+def new_task_id() -> str:
+    """Time-ordered, unique and safe as a subject token."""
+    return f"{time.time_ns():x}-{uuid.uuid4().hex[:12]}"
+
+
+def conversation_chars(request: RouteRequest) -> int:
+    """The characters ``MAX_PROMPT_CHARS`` counts: the whole conversation (its text, or every
+    message's), the suffix and every embedding input, not only ``prompt``."""
+    messages = sum(len(m.content) for m in request.messages or ())
+    inputs = sum(len(text) for text in request.input or ())
+    return max(len(request.prompt), messages, inputs) + len(request.suffix or "")
+
+
+def _check_images(images: list[str] | None, where: str) -> None:
+    problem = image_problem(images, where)
+    if problem is not None:
+        raise BadRequest(problem)
+
+
+def _check_tools(tools: list[dict[str, Any]] | None) -> None:
+    for index, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise BadRequest(f'tools[{index}] must be {{"type": "function", "function": {{...}}}}')
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise BadRequest(f"tools[{index}].function.name must be a non-empty string")
+
+
+def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
+    """Decode and check a route request; every refusal is a `BadRequest` with a clear message."""
+    try:
+        request = _route_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid route request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"route request is not valid JSON: {exc}") from None
+    if request.task_type == "embedding":
+        if not request.input:
+            raise BadRequest("an embedding request needs input: a non-empty list of texts")
+        if not request.prompt:
+            # The inputs as one text: what statistics and `coordinator task` show.
+            request = msgspec.structs.replace(request, prompt="\n".join(request.input))
+    elif request.input is not None:
+        raise BadRequest("input is for embedding requests (task_type 'embedding') only")
+    elif not request.prompt.strip():
+        raise BadRequest("prompt must not be empty")
+    chars = conversation_chars(request)
+    if chars > max_prompt_chars:
+        raise PromptTooLarge(
+            f"the request holds {chars} characters of text, over the limit of "
+            f"{max_prompt_chars} (MAX_PROMPT_CHARS, counted over the whole conversation)"
+        )
+    if not request.model.strip():
+        raise BadRequest("model must not be empty")
+    if request.messages is not None and not request.messages:
+        raise BadRequest("messages, when given, must hold at least one message")
+    if request.timeout_s is not None and not (
+        math.isfinite(request.timeout_s) and request.timeout_s > 0
+    ):
+        raise BadRequest(f"timeout_s must be a positive number of seconds, got {request.timeout_s}")
+    if request.dimensions is not None and request.dimensions <= 0:
+        raise BadRequest(f"dimensions must be a positive number, got {request.dimensions}")
+    _check_images(request.images, "")
+    for index, message in enumerate(request.messages or ()):
+        _check_images(message.images, f"messages[{index}].")
+    _check_tools(request.tools)
+    try:
+        if request.worker is not None:
+            check_token("worker", request.worker)
+        if request.domain is not None:
+            check_token("domain", request.domain)
+    except InvalidId as exc:
+        raise BadRequest(str(exc)) from None
+    return request
+
+
+def as_routed(request: RouteRequest, model: str) -> RouteRequest:
+    """The request as it is routed: under the canonical name of its model (requests,
+    registrations and statistics all use it, lesson 6), and an embedding's in the embedding
+    domain unless it names one (embeddings have figures of their own)."""
+    routed = msgspec.structs.replace(request, model=model)
+    if routed.task_type == "embedding" and routed.domain is None:
+        routed = msgspec.structs.replace(routed, domain=EMBEDDING)
+    return routed
+
+
+def check_size(body_bytes: int, max_payload: int) -> None:
+    """Refuse a request whose task message would not fit in one NATS message, instead of
+    failing on publish: images and long conversations are megabytes. The task is the
+    request's fields plus ids and times, so the body's size (no second encoding) plus
+    `TASK_OVERHEAD_BYTES` bounds it."""
+    size = body_bytes + TASK_OVERHEAD_BYTES
+    if size > max_payload:
+        raise TooLarge(
+            f"the request is {size} bytes as a task, over the NATS server's max_payload of "
+            f"{max_payload} bytes; send fewer or smaller images, or raise max_payload on every "
+            "server (the shipped configuration has 8MB)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A route request accepted: as the client named its model, and as it is routed."""
+
+    asked_model: str
+    routed: RouteRequest
+
+
+def admit(
+    body: bytes, *, max_prompt_chars: int, max_payload: int, resolve: Callable[[str], str]
+) -> Admitted:
+    """The request checked (`parse_route_request`), under the canonical name ``resolve``
+    gives its model (`as_routed`), and small enough for one NATS message (`check_size`)."""
+    asked = parse_route_request(body, max_prompt_chars)
+    routed = as_routed(asked, resolve(asked.model))
+    check_size(len(body), max_payload)
+    return Admitted(asked_model=asked.model, routed=routed)
+
+
+def parse_cancel_request(body: bytes) -> CancelRequest:
+    """Decode a cancel request, which names either a task or a waiting reply subject."""
+    try:
+        request = _cancel_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"invalid cancel request: {exc}") from None
+    if (request.task_id is None) == (request.reply_to is None):
+        raise BadRequest("a cancel request names either task_id or reply_to")
+    return request
