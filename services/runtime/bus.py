@@ -39,8 +39,8 @@ from schemas.subjects import (
     TASKS_SUBJECTS,
     WORKERS_BUCKET,
 )
-from services.runtime.errors import ConfigError, Unavailable
-from services.runtime.lifecycle import StopRequested, current_stop
+from services.runtime.errors import ConfigError, StopRequested, Unavailable
+from services.runtime.lifecycle import current_stop
 from services.runtime.settings import DEFAULT_WORKER_TTL_S, NatsAuth, Settings
 from services.runtime.tracing import inject_context
 

@@ -219,6 +219,18 @@ class Cancelled(CoordinatorError):
     code = "cancelled"
 
 
+class StopRequested(CoordinatorError):
+    """The process was told to stop before it was ready (say, while it waited for NATS)."""
+
+    code = "stopped"
+
+
+class WorkerStopping(CoordinatorError):
+    """A worker was stopped and its grace period ran out before the task's step finished."""
+
+    code = "worker_stopped"
+
+
 class WorkerLost(CoordinatorError):
     """The worker running a task stopped (or died) before the task's outcome was recorded."""
 

@@ -27,7 +27,6 @@ from services.runtime.errors import DuplicateWorker, LeaseLost
 
 # The lease's errors are defined in the catalogue (`services.runtime.errors`) and exported
 # from here too, where their callers look for them.
-__all__ = ["DuplicateWorker", "Lease", "LeaseLost", "deregister"]
 
 log = structlog.get_logger("lease")
 

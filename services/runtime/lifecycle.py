@@ -10,17 +10,11 @@ from typing import Any
 
 import structlog
 
-from services.runtime.errors import CoordinatorError
+from services.runtime.errors import StopRequested
 
 log = structlog.get_logger("lifecycle")
 
 _stop_event: ContextVar[asyncio.Event | None] = ContextVar("stop_event", default=None)
-
-
-class StopRequested(CoordinatorError):
-    """The process was told to stop before it was ready (say, while it waited for NATS)."""
-
-    code = "stopped"
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -49,7 +49,8 @@ from schemas.workers import WorkerRecord
 from services import __version__
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.consumers import Queue, bind
-from services.runtime.lease import Lease, LeaseLost, deregister
+from services.runtime.errors import LeaseLost
+from services.runtime.lease import Lease, deregister
 from services.runtime.pull import pull_one
 from services.runtime.sleep import forget_sleeping, go_to_sleep, watch_idle
 from services.runtime.taskkind import Kind, LoopSettings

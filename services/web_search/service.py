@@ -38,7 +38,7 @@ from services.backends import Backend, Generation
 from services.backends.choose import make_backend
 from services.runtime.bus import connect
 from services.runtime.consumers import Queue
-from services.runtime.errors import BackendError, BackendTimeout, CoordinatorError, SearchError
+from services.runtime.errors import BackendError, BackendTimeout, SearchError, WorkerStopping
 from services.runtime.settings import WebSearchSettings
 from services.runtime.taskkind import Attempt, LoopSettings
 from services.runtime.taskloop import TaskLoop
@@ -62,12 +62,6 @@ WEB_MAX_ACK_PENDING = 64
 # Once a stop's grace period is over, how long the current task gets to record what it has
 # (the failure of an unfinished search, or the results without their summary).
 WRAP_UP_S = 5.0
-
-
-class WorkerStopping(CoordinatorError):
-    """The worker was stopped and its grace period ran out before this step finished."""
-
-    code = "worker_stopped"
 
 
 class WebSearch:

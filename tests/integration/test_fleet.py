@@ -15,8 +15,7 @@ from nats.js.errors import BucketNotFoundError, NoKeysError
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.workers import WorkerRecord
-from services.runtime.errors import ConfigError
-from services.runtime.lease import LeaseLost
+from services.runtime.errors import ConfigError, LeaseLost
 from tests.harness import (
     COORDINATOR,
     Processes,

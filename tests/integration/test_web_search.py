@@ -34,7 +34,7 @@ from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
 from schemas.tasks import TaskMessage
 from services import __version__
 from services.runtime.bus import publish_event
-from services.runtime.lease import DuplicateWorker
+from services.runtime.errors import DuplicateWorker
 from services.runtime.settings import WebSearchSettings
 from services.web_search.service import run as run_web_search
 from tests.harness import (

@@ -9,8 +9,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-import services.runtime.lease
-import services.runtime.lifecycle
 from schemas.queries import TaskView
 from schemas.route import ErrorDetail, RouteReply, failure_of
 from services.runtime import errors
@@ -61,8 +59,7 @@ def test_each_code_is_defined_once_in_the_tree() -> None:
 
 
 def test_every_registered_code_maps_back_to_its_class() -> None:
-    assert services.runtime.lease.LeaseLost is errors.LeaseLost  # exported where it was
-    assert catalogue()["stopped"] is services.runtime.lifecycle.StopRequested
+    assert catalogue()["stopped"] is errors.StopRequested
     assert len(catalogue()) >= 28
     for code, cls in catalogue().items():
         error = from_code(code, "why")
