@@ -1,11 +1,10 @@
 """Ollama over HTTP: ``/api/tags`` and ``/api/show`` for the models, streamed
 ``/api/generate`` for the work (``/api/chat`` for a task that carries a conversation or
-tools), ``/api/embed`` for vectors.
+tools), ``/api/embed`` for vectors. The request bodies are built by `ollama_request` and the
+answers read by `ollama_reply` (both pure); this module is the HTTP client.
 
 Streaming is used even though the answer is returned whole: each chunk is a sign of life
 (the worker turns it into ``in_progress()``), and the first chunk gives time to first token.
-The project's wire types follow Ollama's, so requests go nearly as they came: every option,
-``keep_alive``, ``think``, ``format``, images and tools as given.
 
 Every call goes over one aiohttp session (kept-alive connections, TLS, and a proxy from the
 environment as httpx would take it): a streamed call costs its client about 0.14 ms of CPU
@@ -18,7 +17,6 @@ generation read to its end gives its connection back to the pool (`drain`); one 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,14 +28,25 @@ from aiohttp.helpers import get_env_proxy_for_url
 from aiohttp.http_exceptions import LineTooLong
 from yarl import URL
 
-from schemas.events import Durations, Tokens
-from schemas.models import ModelDetails, ModelFacts
-from schemas.route import ChatMessage, DoneReason, OutputFormat, ToolCall
-from schemas.vectors import pack
+from schemas.events import Durations
+from schemas.models import ModelFacts
+from schemas.route import ChatMessage, OutputFormat
 from services.backends import Embedding, Generation, OnChunk, Progress, drain
+from services.backends.ollama_reply import (
+    StreamedAnswer,
+    Tag,
+    decode_line,
+    decode_show,
+    decode_tags,
+    embedding_of,
+    error_text,
+    facts_of,
+    legacy_vector,
+    model_names,
+)
+from services.backends.ollama_request import embed_body, generate_body, legacy_embed_body
 from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
 
-NS_PER_MS = 1_000_000
 # A model's ``/api/show`` reads its files, no more; past this the facts wait for a restart.
 SHOW_TIMEOUT_S = 30.0
 # The model list's read deadline.
@@ -50,92 +59,7 @@ _NDJSON = {"Content-Type": "application/json", "Accept": "application/x-ndjson"}
 
 log = structlog.get_logger("worker")
 
-
-class _Tag(msgspec.Struct):
-    name: str
-    digest: str = ""
-    size: int = 0
-    modified_at: str | None = None
-    details: ModelDetails | None = None
-
-
-class _Tags(msgspec.Struct):
-    models: list[_Tag] = []
-
-
-class _Show(msgspec.Struct):
-    """``/api/show``: an Ollama before 0.6.4 or so sends no ``capabilities``."""
-
-    capabilities: list[str] | None = None
-    model_info: dict[str, Any] | None = None
-    details: ModelDetails | None = None
-    modified_at: str | None = None
-
-
-class _Function(msgspec.Struct):
-    name: str = ""
-    arguments: dict[str, Any] | str = msgspec.field(default_factory=dict)
-
-
-class _ToolCall(msgspec.Struct):
-    function: _Function = msgspec.field(default_factory=_Function)
-    id: str | None = None  # newer Ollama versions number their calls
-
-
-class _Message(msgspec.Struct):
-    content: str = ""
-    thinking: str | None = None
-    tool_calls: list[_ToolCall] | None = None
-
-
-class _Chunk(msgspec.Struct):
-    """One NDJSON line of ``/api/generate`` (or ``/api/chat``, whose text is in ``message``);
-    the last one (``done``) carries the figures."""
-
-    response: str = ""
-    thinking: str | None = None
-    message: _Message | None = None
-    done: bool = False
-    done_reason: str | None = None
-    error: str | None = None
-    total_duration: int | None = None
-    load_duration: int | None = None
-    prompt_eval_count: int | None = None
-    prompt_eval_duration: int | None = None
-    eval_count: int | None = None
-    eval_duration: int | None = None
-
-
-class _Embedded(msgspec.Struct):
-    """``/api/embed``'s answer."""
-
-    embeddings: list[list[float]] | None = None  # null for no input (Go's nil slice)
-    total_duration: int | None = None
-    load_duration: int | None = None
-    prompt_eval_count: int | None = None
-    prompt_eval_duration: int | None = None
-
-
-class _LegacyEmbedded(msgspec.Struct):
-    """``/api/embeddings``'s answer: one vector, no figures."""
-
-    embedding: list[float] | None = None
-
-
-_tags_decoder = msgspec.json.Decoder(_Tags)
-_show_decoder = msgspec.json.Decoder(_Show)
-_chunk_decoder = msgspec.json.Decoder(_Chunk)
-_embedded_decoder = msgspec.json.Decoder(_Embedded)
-_legacy_decoder = msgspec.json.Decoder(_LegacyEmbedded)
 _body_encoder = msgspec.json.Encoder()
-
-# Ollama's ``done_reason`` words that are `DoneReason`s (it also says ``load`` and ``unload``
-# for requests that only load or unload a model).
-_DONE_REASONS: dict[str, DoneReason] = {"stop": "stop", "length": "length"}
-
-
-def _ms(ns: int | None) -> float | None:
-    return None if ns is None else ns / NS_PER_MS
 
 
 class OllamaBackend:
@@ -193,12 +117,7 @@ class OllamaBackend:
             ) from exc
         if status != 200:
             raise BackendError(f"Ollama at {self._base_url} answered /api/tags with HTTP {status}")
-        try:
-            return [m.name for m in _tags_decoder.decode(content).models]
-        except msgspec.DecodeError as exc:
-            raise BackendError(
-                f"Ollama at {self._base_url}: malformed /api/tags reply: {exc}"
-            ) from exc
+        return model_names(content, self._base_url)
 
     async def generate(
         self,
@@ -220,30 +139,18 @@ class OllamaBackend:
         """See `Backend.generate`. Tools exist only in ``/api/chat``, so a task with tools
         but no conversation goes there as one user message (with its images); ``suffix``
         exists only in ``/api/generate`` and goes only there."""
-        body: dict[str, Any] = {"model": model, "stream": True}
-        if messages or tools:
-            conversation = messages or [
-                ChatMessage(role="user", content=prompt, images=images or None)
-            ]
-            body["messages"] = [_message(m) for m in conversation]
-            if tools:
-                body["tools"] = tools
-            path = "/api/chat"
-        else:
-            body["prompt"] = prompt
-            if images:
-                body["images"] = images
-            if suffix:
-                body["suffix"] = suffix
-            path = "/api/generate"
-        if options:
-            body["options"] = options
-        if think is not None:
-            body["think"] = think
-        if format is not None:
-            body["format"] = format
-        if keep_alive is not None:
-            body["keep_alive"] = keep_alive
+        path, body = generate_body(
+            model,
+            prompt,
+            options=options,
+            messages=messages,
+            think=think,
+            images=images,
+            tools=tools,
+            format=format,
+            keep_alive=keep_alive,
+            suffix=suffix,
+        )
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
@@ -271,7 +178,7 @@ class OllamaBackend:
         try:
             if reply.status != 200:
                 text = (await reply.read()).decode(errors="replace")
-                raise BackendError(f"Ollama answered HTTP {reply.status}: {_error_text(text)}")
+                raise BackendError(f"Ollama answered HTTP {reply.status}: {error_text(text)}")
             generation = await self._read(_lines(reply), started, progress, on_chunk)
         except BaseException:
             reply.close()  # given up midway (a cancel among others): Ollama stops generating
@@ -303,39 +210,14 @@ class OllamaBackend:
 
         Ollama sends each tool call whole, in a chunk of its own; ``on_chunk`` sees them as
         they come, numbered through the whole generation."""
-        response: list[str] = []
-        thinking: list[str] = []
-        tool_calls: list[ToolCall] = []
-        first_token_ms: float | None = None
+        answer = StreamedAnswer()
         async for line in lines:
             if not line.strip():
                 continue
-            try:
-                chunk = _chunk_decoder.decode(line)
-            except msgspec.DecodeError as exc:
-                raise BackendError(f"Ollama sent a malformed line: {line[:200]!r}") from exc
-            if chunk.error:
-                raise BackendError(f"Ollama reported an error: {chunk.error}")
-            text, think = chunk.response, chunk.thinking or ""
-            calls: list[ToolCall] = []
-            if chunk.message is not None:
-                text, think = chunk.message.content, chunk.message.thinking or ""
-                for call in chunk.message.tool_calls or ():
-                    calls.append(
-                        ToolCall(
-                            name=call.function.name,
-                            arguments=call.function.arguments,
-                            id=call.id,
-                            index=len(tool_calls) + len(calls),
-                        )
-                    )
-                tool_calls.extend(calls)
-            if (text or think or calls) and first_token_ms is None:
-                first_token_ms = (time.perf_counter() - started) * 1000
-            if text:
-                response.append(text)
-            if think:
-                thinking.append(think)
+            chunk = decode_line(line)
+            text, think, calls = answer.add(chunk)
+            if (text or think or calls) and answer.first_token_ms is None:
+                answer.first_token_ms = (time.perf_counter() - started) * 1000
             if on_chunk is not None and (text or think or calls):
                 await on_chunk(text, think, calls or None)
             if progress is not None:
@@ -343,23 +225,7 @@ class OllamaBackend:
             if chunk.done:
                 wall_ms = (time.perf_counter() - started) * 1000
                 await drain(lines)  # to the body's end: the connection is kept
-                done_reason = _DONE_REASONS.get(chunk.done_reason or "")
-                if done_reason == "stop" and tool_calls:
-                    done_reason = "tool_calls"  # Ollama says "stop"; OpenAI's word for it
-                return Generation(
-                    response="".join(response),
-                    thinking="".join(thinking) or None,
-                    durations=Durations(
-                        total_ms=_ms(chunk.total_duration) or wall_ms,
-                        load_ms=_ms(chunk.load_duration),
-                        prompt_eval_ms=_ms(chunk.prompt_eval_duration),
-                        eval_ms=_ms(chunk.eval_duration),
-                    ),
-                    tokens=Tokens(prompt=chunk.prompt_eval_count, eval=chunk.eval_count),
-                    first_token_ms=first_token_ms,
-                    tool_calls=tool_calls or None,
-                    done_reason=done_reason,
-                )
+                return answer.generation(chunk, wall_ms)
         raise BackendError("Ollama closed the stream before the final chunk")
 
     async def embed(
@@ -383,16 +249,20 @@ class OllamaBackend:
             async with asyncio.timeout(timeout_s):
                 if not normalize:
                     return await self._embed_legacy(model, inputs, keep_alive, options, started)
-                body: dict[str, Any] = {"model": model, "input": inputs}
-                if truncate is not None:
-                    body["truncate"] = truncate
-                if dimensions is not None:
-                    body["dimensions"] = dimensions
-                if keep_alive is not None:
-                    body["keep_alive"] = keep_alive
-                if options:
-                    body["options"] = options
-                answer = _embedded_decoder.decode(await self._post("/api/embed", body))
+                body = embed_body(
+                    model,
+                    inputs,
+                    truncate=truncate,
+                    dimensions=dimensions,
+                    keep_alive=keep_alive,
+                    options=options,
+                )
+                return embedding_of(
+                    await self._post("/api/embed", body),
+                    len(inputs),
+                    self._base_url,
+                    (time.perf_counter() - started) * 1000,
+                )
         except aiohttp.ServerTimeoutError as exc:  # a TimeoutError too: first
             raise BackendTimeout(f"Ollama at {self._base_url} timed out: {_describe(exc)}") from exc
         except TimeoutError as exc:
@@ -405,21 +275,6 @@ class OllamaBackend:
             ) from exc
         except msgspec.DecodeError as exc:
             raise BackendError(f"Ollama at {self._base_url}: malformed embed reply: {exc}") from exc
-        embeddings = answer.embeddings or []
-        if len(embeddings) != len(inputs):
-            raise BackendError(
-                f"Ollama at {self._base_url} gave {len(embeddings)} vectors "
-                f"for {len(inputs)} inputs"
-            )
-        return Embedding(
-            vectors=[pack(vector) for vector in embeddings],
-            durations=Durations(
-                total_ms=_ms(answer.total_duration) or (time.perf_counter() - started) * 1000,
-                load_ms=_ms(answer.load_duration),
-                prompt_eval_ms=_ms(answer.prompt_eval_duration),
-            ),
-            tokens=Tokens(prompt=answer.prompt_eval_count),
-        )
 
     async def _embed_legacy(
         self,
@@ -431,17 +286,8 @@ class OllamaBackend:
     ) -> Embedding:
         vectors: list[bytes] = []
         for text in inputs:
-            body: dict[str, Any] = {"model": model, "prompt": text}
-            if keep_alive is not None:
-                body["keep_alive"] = keep_alive
-            if options:
-                body["options"] = options
-            vectors.append(
-                pack(
-                    _legacy_decoder.decode(await self._post("/api/embeddings", body)).embedding
-                    or []
-                )
-            )
+            body = legacy_embed_body(model, text, keep_alive, options)
+            vectors.append(legacy_vector(await self._post("/api/embeddings", body)))
         return Embedding(
             vectors=vectors, durations=Durations(total_ms=(time.perf_counter() - started) * 1000)
         )
@@ -460,7 +306,7 @@ class OllamaBackend:
             content = await reply.read()
             if reply.status != 200:
                 text = content.decode(errors="replace")
-                raise BackendError(f"Ollama answered HTTP {reply.status}: {_error_text(text)}")
+                raise BackendError(f"Ollama answered HTTP {reply.status}: {error_text(text)}")
             return content
 
     async def model_facts(self, served: list[str]) -> dict[str, ModelFacts]:
@@ -469,11 +315,11 @@ class OllamaBackend:
         ``/api/show`` per model. An Ollama too old to list capabilities leaves them at
         `ModelFacts`'s default; a model whose show fails is left out (and logged), so the
         worker registers the defaults for it rather than failing its start."""
-        tags: dict[str, _Tag] = {}
+        tags: dict[str, Tag] = {}
         try:
             status, content = await self._get("/api/tags")
             if status == 200:
-                tags = {t.name: t for t in _tags_decoder.decode(content).models}
+                tags = decode_tags(content)
             else:
                 log.warning("model list refused for model facts", status=status)
         except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
@@ -481,28 +327,14 @@ class OllamaBackend:
         facts: dict[str, ModelFacts] = {}
         for name in served:
             try:
-                show = _show_decoder.decode(
+                show = decode_show(
                     await self._post("/api/show", {"model": name}, read_timeout_s=SHOW_TIMEOUT_S)
                 )
             except (BackendError, aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
                 message = exc.message if isinstance(exc, BackendError) else _describe(exc)
                 log.warning("model facts unavailable", model=name, error=message)
                 continue
-            tag = tags.get(name)
-            fields: dict[str, Any] = {}
-            if show.capabilities is not None:
-                fields["capabilities"] = list(show.capabilities)
-            details = (tag.details if tag else None) or show.details
-            if details is not None:
-                fields["details"] = details
-            facts[name] = ModelFacts(
-                name=name,
-                digest=tag.digest if tag else "",
-                size=tag.size if tag else 0,
-                context_length=_context_length(show.model_info),
-                modified_at=(tag.modified_at if tag else None) or show.modified_at,
-                **fields,
-            )
+            facts[name] = facts_of(name, tags.get(name), show)
         return facts
 
 
@@ -513,60 +345,6 @@ async def _lines(reply: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
             yield line
     except LineTooLong as exc:
         raise BackendError(f"Ollama sent a line over {MAX_LINE} bytes") from exc
-
-
-def _message(message: ChatMessage) -> dict[str, Any]:
-    """A turn in ``/api/chat``'s shape: tool calls as ``{"function": {"name", "arguments"}}``
-    with the arguments an object (text from an OpenAI client that is a JSON object is
-    decoded; other text goes as it came, for Ollama to refuse in its words). Call ids go as
-    ``id`` and ``tool_call_id`` when the client gave them: newer Ollama versions read them,
-    older ones ignore fields they do not know."""
-    shaped: dict[str, Any] = {"role": message.role, "content": message.content}
-    if message.images:
-        shaped["images"] = message.images
-    if message.tool_calls:
-        shaped["tool_calls"] = [_call(call) for call in message.tool_calls]
-    if message.tool_name:
-        shaped["tool_name"] = message.tool_name
-    if message.tool_call_id:
-        shaped["tool_call_id"] = message.tool_call_id
-    return shaped
-
-
-def _call(call: ToolCall) -> dict[str, Any]:
-    shaped: dict[str, Any] = {
-        "function": {"name": call.name, "arguments": _arguments(call.arguments)}
-    }
-    if call.id:
-        shaped["id"] = call.id
-    return shaped
-
-
-def _arguments(arguments: dict[str, Any] | str) -> dict[str, Any] | str:
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        decoded = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
-        return arguments
-    return decoded if isinstance(decoded, dict) else arguments
-
-
-def _context_length(model_info: dict[str, Any] | None) -> int | None:
-    if not model_info:
-        return None
-    value = model_info.get(f"{model_info.get('general.architecture')}.context_length")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _error_text(text: str) -> str:
-    try:
-        decoded = msgspec.json.decode(text)
-    except msgspec.DecodeError:
-        return text[:300]
-    if isinstance(decoded, dict) and "error" in decoded:
-        return str(decoded["error"])
-    return text[:300]
 
 
 def _describe(exc: BaseException) -> str:

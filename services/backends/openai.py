@@ -1,195 +1,43 @@
 """OpenAI-compatible servers: llama.cpp's server, vLLM, LM Studio, Ollama's ``/v1``.
 
 ``/v1/models`` lists the models; streamed ``/v1/chat/completions`` does the work and
-``/v1/embeddings`` makes vectors. Servers differ in what they report beyond the text:
-``usage`` (asked for with ``stream_options.include_usage``) gives token counts, llama.cpp adds
-``timings`` with prompt and generation times, and thinking arrives as ``reasoning_content``
-(llama.cpp, vLLM) or ``reasoning`` (Ollama). Whatever is missing stays ``None`` rather than
-being guessed.
-
-Tasks arrive in Ollama's terms (the project's wire types follow Ollama), so this module
-translates: options to request fields, base64 images to ``image_url`` content parts, tool
-calls to OpenAI's ``function`` objects with arguments as JSON text, ``format`` to
-``response_format``. ``keep_alive`` has no counterpart (these servers keep their model loaded
-for as long as they run) and is dropped.
+``/v1/embeddings`` makes vectors. Tasks arrive in Ollama's terms (the project's wire types
+follow Ollama), so the request bodies are translated (`openai_request`), and what the servers
+answer is read by `openai_reply`; both are pure. This module is the HTTP client: it sends,
+reads the stream, times it, and maps the transport's failures to the project's backend errors.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-import msgspec
 import structlog
 
-from schemas.events import Durations, Tokens
-from schemas.models import COMPLETION, EMBEDDING, THINKING, TOOLS, VISION, ModelDetails, ModelFacts
-from schemas.route import ChatMessage, DoneReason, OutputFormat, ToolCall
-from schemas.vectors import pack
+from schemas.models import EMBEDDING, ModelFacts
+from schemas.route import ChatMessage, OutputFormat
 from services.backends import Embedding, Generation, OnChunk, Progress, drain
+from services.backends.openai_reply import (
+    ChatStream,
+    ModelEntry,
+    ServerProps,
+    decode_chunk,
+    decode_models,
+    decode_props,
+    embedding_of,
+    error_text,
+    facts_of,
+    template_capabilities,
+)
+from services.backends.openai_request import chat_body, embeddings_body
 from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
 
 log = structlog.get_logger("worker")
-
-# Ollama's option names mapped to request fields. The first group is OpenAI's own; the rest
-# are the sampling fields llama.cpp's server takes under Ollama's very names (its
-# ``/completion`` parameters, accepted by its chat API too), and LM Studio and vLLM take
-# most of them; vLLM calls the repeat penalty ``repetition_penalty``, so both names go. A
-# server ignores fields it does not know (llama.cpp, vLLM, Ollama do). Options fixed when a
-# server loads its model (``num_ctx``, ``num_gpu``, ``num_thread``, ...) have no request
-# field and are dropped.
-_OPTION_FIELDS: dict[str, tuple[str, ...]] = {
-    "temperature": ("temperature",),
-    "top_p": ("top_p",),
-    "seed": ("seed",),
-    "stop": ("stop",),
-    "num_predict": ("max_tokens",),
-    "max_tokens": ("max_tokens",),
-    "presence_penalty": ("presence_penalty",),
-    "frequency_penalty": ("frequency_penalty",),
-    "top_k": ("top_k",),
-    "min_p": ("min_p",),
-    "typical_p": ("typical_p",),
-    "repeat_penalty": ("repeat_penalty", "repetition_penalty"),
-    "repeat_last_n": ("repeat_last_n",),
-    "mirostat": ("mirostat",),
-    "mirostat_tau": ("mirostat_tau",),
-    "mirostat_eta": ("mirostat_eta",),
-    "num_keep": ("n_keep",),
-    # Not Ollama's: OpenAI's own choice among the tools ("auto", "none", "required", or one
-    # function), for a caller that has it (Ollama ignores an option it does not know).
-    "tool_choice": ("tool_choice",),
-}
-
-# ``finish_reason`` as `DoneReason`; ``function_call`` is the older name of ``tool_calls``.
-_DONE_REASONS: dict[str, DoneReason] = {
-    "stop": "stop",
-    "length": "length",
-    "tool_calls": "tool_calls",
-    "function_call": "tool_calls",
-}
-
-# What a chat template says when its model reasons apart from its answer (Qwen3's switch,
-# DeepSeek-R1's tags, the field llama.cpp and vLLM return the reasoning in).
-_THINKING_MARKERS = ("<think>", "enable_thinking", "reasoning_content")
-
-
-class _Meta(msgspec.Struct):
-    """What llama.cpp's server adds to each ``/v1/models`` entry."""
-
-    n_ctx_train: int | None = None
-    n_params: int | None = None
-    size: int | None = None
-    ftype: str | None = None
-
-
-class _Model(msgspec.Struct):
-    id: str
-    meta: _Meta | None = None
-
-
-class _Models(msgspec.Struct):
-    data: list[_Model] = []
-
-
-class _FunctionDelta(msgspec.Struct):
-    name: str | None = None
-    arguments: str | dict[str, Any] | None = None
-
-
-class _ToolCallDelta(msgspec.Struct):
-    index: int | None = None
-    id: str | None = None
-    function: _FunctionDelta | None = None
-
-
-class _Delta(msgspec.Struct):
-    content: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[_ToolCallDelta] | None = None
-
-
-class _Choice(msgspec.Struct):
-    delta: _Delta = msgspec.field(default_factory=_Delta)
-    finish_reason: str | None = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-class _Timings(msgspec.Struct):
-    """llama.cpp's server reports these with the last chunk."""
-
-    prompt_n: int | None = None
-    prompt_ms: float | None = None
-    predicted_n: int | None = None
-    predicted_ms: float | None = None
-
-
-class _ErrorDetail(msgspec.Struct):
-    message: str = ""
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] = []
-    usage: _Usage | None = None
-    timings: _Timings | None = None
-    error: _ErrorDetail | None = None
-
-
-class _Vector(msgspec.Struct):
-    index: int = 0
-    embedding: list[float] | str = []
-
-
-class _Embeddings(msgspec.Struct):
-    data: list[_Vector] | None = None  # Ollama's /v1 sends null for no vectors
-    usage: _Usage | None = None
-
-
-class _TemplateCaps(msgspec.Struct):
-    supports_tools: bool = False
-    supports_reasoning_effort: bool = False
-
-
-class _Modalities(msgspec.Struct):
-    vision: bool = False
-
-
-class _Props(msgspec.Struct):
-    """llama.cpp's ``GET /props`` (the parts read here)."""
-
-    chat_template: str = ""
-    chat_template_caps: _TemplateCaps | None = None
-    modalities: _Modalities | None = None
-
-
-_models_decoder = msgspec.json.Decoder(_Models)
-_chunk_decoder = msgspec.json.Decoder(_Chunk)
-_embeddings_decoder = msgspec.json.Decoder(_Embeddings)
-_props_decoder = msgspec.json.Decoder(_Props)
-
-
-@dataclass
-class _PartialCall:
-    """One streamed tool call being put together from its deltas."""
-
-    id: str | None = None
-    name: str = ""
-    arguments: list[str] = field(default_factory=list)
-    whole: dict[str, Any] | None = None  # a server that sends the arguments as an object
 
 
 class OpenAIBackend:
@@ -217,7 +65,7 @@ class OpenAIBackend:
     async def list_models(self) -> list[str]:
         return [m.id for m in await self._models()]
 
-    async def _models(self) -> list[_Model]:
+    async def _models(self) -> list[ModelEntry]:
         try:
             async with self._sent(self._client.build_request("GET", "/models")) as reply:
                 await reply.aread()
@@ -227,10 +75,7 @@ class OpenAIBackend:
             ) from exc
         if reply.status_code != 200:
             raise BackendError(f"{self._base_url}/models answered HTTP {reply.status_code}")
-        try:
-            return _models_decoder.decode(reply.content).data
-        except msgspec.DecodeError as exc:
-            raise BackendError(f"{self._base_url}/models: malformed reply: {exc}") from exc
+        return decode_models(reply.content, self._base_url)
 
     async def generate(
         self,
@@ -257,26 +102,16 @@ class OpenAIBackend:
                 f"{self._base_url}: fill-in-the-middle (suffix) is not available through an "
                 "OpenAI-compatible chat API"
             )
-        conversation = (
-            _conversation(messages)
-            if messages
-            else [_message(ChatMessage(role="user", content=prompt, images=images or None))]
+        body = chat_body(
+            model,
+            prompt,
+            options=options,
+            messages=messages,
+            think=think,
+            images=images,
+            tools=tools,
+            format=format,
         )
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": conversation,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        for name, value in (options or {}).items():
-            for target in _OPTION_FIELDS.get(name, ()):
-                body[target] = value
-        if isinstance(think, str):
-            body["reasoning_effort"] = think  # how OpenAI's API (and Ollama's /v1) say it
-        if tools:
-            body["tools"] = tools
-        if format is not None:
-            body["response_format"] = _response_format(format)
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
@@ -299,14 +134,7 @@ class OpenAIBackend:
         progress: Progress | None,
         on_chunk: OnChunk | None,
     ) -> Generation:
-        response: list[str] = []
-        thinking: list[str] = []
-        calls: dict[int, _PartialCall] = {}
-        finished_calls: list[ToolCall] | None = None
-        first_token_ms: float | None = None
-        usage: _Usage | None = None
-        timings: _Timings | None = None
-        finish_reason: str | None = None
+        stream = ChatStream()
         finished = False
         timeout = httpx.Timeout(None, connect=self._connect_timeout_s)
         request = self._client.build_request(
@@ -316,7 +144,7 @@ class OpenAIBackend:
             if reply.status_code != 200:
                 text = (await reply.aread()).decode(errors="replace")
                 raise BackendError(
-                    f"{self._base_url} answered HTTP {reply.status_code}: {_error_text(text)}"
+                    f"{self._base_url} answered HTTP {reply.status_code}: {error_text(text)}"
                 )
             lines = reply.aiter_lines()
             async for line in lines:
@@ -327,63 +155,24 @@ class OpenAIBackend:
                     finished = True
                     await drain(lines)  # to the body's end: the connection is kept
                     break
-                try:
-                    chunk = _chunk_decoder.decode(data)
-                except msgspec.DecodeError as exc:
-                    raise BackendError(f"malformed stream line: {data[:200]!r}") from exc
-                if chunk.error is not None:
-                    raise BackendError(f"{self._base_url} reported an error: {chunk.error.message}")
-                usage = chunk.usage or usage
-                timings = chunk.timings or timings
+                chunk = decode_chunk(data, self._base_url)
+                stream.note(chunk)
                 for choice in chunk.choices:
-                    delta = choice.delta
-                    think = delta.reasoning_content or delta.reasoning
-                    if delta.tool_calls:
-                        _gather(calls, delta.tool_calls)
-                    if (delta.content or think or delta.tool_calls) and first_token_ms is None:
-                        first_token_ms = (time.perf_counter() - started) * 1000
-                    if delta.content:
-                        response.append(delta.content)
-                    if think:
-                        thinking.append(think)
-                    if on_chunk is not None and (delta.content or think):
-                        await on_chunk(delta.content or "", think or "")
-                    if choice.finish_reason is not None:
-                        finish_reason = choice.finish_reason
-                        if calls and finished_calls is None:
-                            # The calls are whole once the server says why it stopped.
-                            finished_calls = _assemble(calls)
-                            if on_chunk is not None:
-                                await on_chunk("", "", finished_calls)
+                    text, think, said, calls = stream.add(choice)
+                    if said and stream.first_token_ms is None:
+                        stream.first_token_ms = (time.perf_counter() - started) * 1000
+                    if on_chunk is not None and (text or think):
+                        await on_chunk(text, think)
+                    if calls is not None and on_chunk is not None:
+                        await on_chunk("", "", calls)
                 if progress is not None:
                     await progress()
         if not finished:
             raise BackendError(f"{self._base_url} closed the stream before [DONE]")
-        if calls and finished_calls is None:  # a server that sent no finish_reason
-            finished_calls = _assemble(calls)
-            if on_chunk is not None:
-                await on_chunk("", "", finished_calls)
-        done_reason = _DONE_REASONS.get(finish_reason or "")
-        if done_reason == "stop" and finished_calls:
-            done_reason = "tool_calls"
-        return Generation(
-            response="".join(response),
-            thinking="".join(thinking) or None,
-            durations=Durations(
-                total_ms=(time.perf_counter() - started) * 1000,
-                prompt_eval_ms=timings.prompt_ms if timings else None,
-                eval_ms=timings.predicted_ms if timings else None,
-            ),
-            tokens=Tokens(
-                prompt=(usage.prompt_tokens if usage else None)
-                or (timings.prompt_n if timings else None),
-                eval=(usage.completion_tokens if usage else None)
-                or (timings.predicted_n if timings else None),
-            ),
-            first_token_ms=first_token_ms,
-            tool_calls=finished_calls,
-            done_reason=done_reason,
-        )
+        calls = stream.finish()  # a server that sent no finish_reason
+        if calls is not None and on_chunk is not None:
+            await on_chunk("", "", calls)
+        return stream.generation((time.perf_counter() - started) * 1000)
 
     async def embed(
         self,
@@ -404,9 +193,7 @@ class OpenAIBackend:
         ``--embd-normalize``), not the request's. ``truncate``, ``keep_alive`` and
         ``options`` have no field in OpenAI's request and are dropped: an input over the
         model's context is cut or refused as the server does it."""
-        body: dict[str, Any] = {"model": model, "input": inputs, "encoding_format": "float"}
-        if dimensions is not None:
-            body["dimensions"] = dimensions
+        body = embeddings_body(model, inputs, dimensions)
         started = time.perf_counter()
         try:
             request = self._client.build_request(
@@ -424,22 +211,10 @@ class OpenAIBackend:
             ) from exc
         if reply.status_code != 200:
             raise BackendError(
-                f"{self._base_url} answered HTTP {reply.status_code}: {_error_text(reply.text)}"
+                f"{self._base_url} answered HTTP {reply.status_code}: {error_text(reply.text)}"
             )
-        try:
-            answer = _embeddings_decoder.decode(reply.content)
-        except msgspec.DecodeError as exc:
-            raise BackendError(f"{self._base_url}/embeddings: malformed reply: {exc}") from exc
-        data = answer.data or []
-        if len(data) != len(inputs):
-            raise BackendError(
-                f"{self._base_url}/embeddings gave {len(data)} vectors for {len(inputs)} inputs"
-            )
-        vectors = [_packed(v.embedding) for v in sorted(data, key=lambda v: v.index)]
-        return Embedding(
-            vectors=vectors,
-            durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
-            tokens=Tokens(prompt=answer.usage.prompt_tokens if answer.usage else None),
+        return embedding_of(
+            reply.content, len(inputs), self._base_url, (time.perf_counter() - started) * 1000
         )
 
     @asynccontextmanager
@@ -485,33 +260,13 @@ class OpenAIBackend:
         props = await self._props()
         facts: dict[str, ModelFacts] = {}
         for name in served:
-            capabilities = [COMPLETION]
-            if props is not None:
-                if props.chat_template_caps is not None and props.chat_template_caps.supports_tools:
-                    capabilities.append(TOOLS)
-                if props.modalities is not None and props.modalities.vision:
-                    capabilities.append(VISION)
-                if _thinks(props):
-                    capabilities.append(THINKING)
-                if len(served) == 1 and await self._embeds(name):
-                    capabilities.append(EMBEDDING)
-            meta = listed[name].meta if name in listed else None
-            facts[name] = ModelFacts(
-                name=name,
-                capabilities=capabilities,
-                size=(meta.size or 0) if meta else 0,
-                details=ModelDetails(
-                    format="gguf",
-                    parameter_size=_human_number(meta.n_params) if meta.n_params else "",
-                    quantization_level=meta.ftype or "",
-                )
-                if meta
-                else ModelDetails(),
-                context_length=meta.n_ctx_train if meta else None,
-            )
+            capabilities = template_capabilities(props)
+            if props is not None and len(served) == 1 and await self._embeds(name):
+                capabilities.append(EMBEDDING)
+            facts[name] = facts_of(name, capabilities, listed.get(name))
         return facts
 
-    async def _props(self) -> _Props | None:
+    async def _props(self) -> ServerProps | None:
         """llama.cpp's ``/props``, or None from a server without it (or that is not llama.cpp:
         a reply without ``chat_template_caps`` and ``modalities``)."""
         parts = urlsplit(self._base_url)
@@ -523,13 +278,7 @@ class OpenAIBackend:
             return None
         if reply.status_code != 200:
             return None
-        try:
-            props = _props_decoder.decode(reply.content)
-        except msgspec.DecodeError:
-            return None
-        if props.chat_template_caps is None and props.modalities is None:
-            return None
-        return props
+        return decode_props(reply.content)
 
     async def _embeds(self, model: str) -> bool:
         try:
@@ -537,186 +286,6 @@ class OpenAIBackend:
         except BackendError:
             return False
         return True
-
-
-def _thinks(props: _Props) -> bool:
-    caps = props.chat_template_caps
-    return (caps is not None and caps.supports_reasoning_effort) or any(
-        marker in props.chat_template for marker in _THINKING_MARKERS
-    )
-
-
-def _gather(calls: dict[int, _PartialCall], deltas: list[_ToolCallDelta]) -> None:
-    """Add one chunk's tool-call deltas to the calls being put together, by ``index``. The
-    id and name come whole in a call's first delta (later repeats are ignored), the arguments
-    in fragments to join."""
-    for position, delta in enumerate(deltas):
-        call = calls.setdefault(
-            delta.index if delta.index is not None else position, _PartialCall()
-        )
-        if delta.id and call.id is None:
-            call.id = delta.id
-        if delta.function is None:
-            continue
-        if delta.function.name and not call.name:
-            call.name = delta.function.name
-        arguments = delta.function.arguments
-        if isinstance(arguments, dict):
-            call.whole = arguments
-        elif arguments:
-            call.arguments.append(arguments)
-
-
-def _assemble(calls: dict[int, _PartialCall]) -> list[ToolCall]:
-    """The finished calls in index order; arguments that are a JSON object become a dict,
-    any other text stays as it came (OpenAI's API does not promise JSON)."""
-    finished: list[ToolCall] = []
-    for index in sorted(calls):
-        call = calls[index]
-        arguments: dict[str, Any] | str
-        if call.whole is not None:
-            arguments = call.whole
-        else:
-            text = "".join(call.arguments)
-            try:
-                decoded = json.loads(text) if text.strip() else {}
-            except ValueError:
-                decoded = None
-            arguments = decoded if isinstance(decoded, dict) else text
-        finished.append(ToolCall(name=call.name, arguments=arguments, id=call.id, index=index))
-    return finished
-
-
-def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages in OpenAI's shape. A tool turn without a call id (a conversation in
-    Ollama's terms, which has none) answers the earliest unanswered call of its tool in the
-    assistant turn before it, or else the earliest unanswered call: OpenAI-compatible servers
-    want every tool turn tied to a call of the assistant turn before it."""
-    shaped: list[dict[str, Any]] = []
-    waiting: list[tuple[str, str]] = []  # (call id, tool name) not answered yet
-    for message in messages:
-        if message.role == "assistant" and message.tool_calls:
-            waiting = [(_call_id(c), c.name) for c in message.tool_calls]
-        elif message.role == "tool":
-            call_id = message.tool_call_id
-            if call_id is None:
-                named = [w for w in waiting if w[1] == message.tool_name]
-                if named or waiting:
-                    call_id = (named or waiting)[0][0]
-            waiting = [w for w in waiting if w[0] != call_id]
-            shaped.append(_tool_message(message, call_id))
-            continue
-        shaped.append(_message(message))
-    return shaped
-
-
-def _message(message: ChatMessage) -> dict[str, Any]:
-    shaped: dict[str, Any] = {"role": message.role}
-    if message.images:
-        shaped["content"] = [
-            {"type": "text", "text": message.content},
-            *(
-                {"type": "image_url", "image_url": {"url": _data_url(image)}}
-                for image in message.images
-            ),
-        ]
-    else:
-        shaped["content"] = message.content
-    if message.tool_calls:
-        shaped["tool_calls"] = [
-            {
-                "id": _call_id(call),
-                "type": "function",
-                "function": {
-                    "name": call.name,
-                    "arguments": call.arguments
-                    if isinstance(call.arguments, str)
-                    else json.dumps(call.arguments, ensure_ascii=False),
-                },
-            }
-            for call in message.tool_calls
-        ]
-    return shaped
-
-
-def _tool_message(message: ChatMessage, call_id: str | None) -> dict[str, Any]:
-    shaped: dict[str, Any] = {"role": "tool", "content": message.content}
-    if call_id is not None:
-        shaped["tool_call_id"] = call_id
-    if message.tool_name:
-        shaped["name"] = message.tool_name  # templates that name the tool read it
-    return shaped
-
-
-def _call_id(call: ToolCall) -> str:
-    return call.id or f"call_{call.index}"
-
-
-def _data_url(image: str) -> str:
-    return f"data:{_mime_type(image)};base64,{image}"
-
-
-def _mime_type(image: str) -> str:
-    """The image type of base64 data, from its first bytes; PNG when they say nothing known
-    (servers decode the bytes themselves, the type is a label)."""
-    try:
-        head = base64.b64decode(image[:24] + "=" * (-len(image[:24]) % 4))
-    except (binascii.Error, ValueError):
-        return "image/png"
-    if head.startswith(b"\x89PNG"):
-        return "image/png"
-    if head.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if head.startswith((b"GIF87a", b"GIF89a")):
-        return "image/gif"
-    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
-        return "image/webp"
-    return "image/png"
-
-
-def _response_format(format: OutputFormat) -> dict[str, Any]:
-    """Ollama's ``format`` as ``response_format``: "json" is any JSON object, a schema is
-    OpenAI's strict ``json_schema`` (llama.cpp turns it into a grammar)."""
-    if format == "json":
-        return {"type": "json_object"}
-    return {
-        "type": "json_schema",
-        "json_schema": {"name": "response", "schema": format, "strict": True},
-    }
-
-
-def _packed(embedding: list[float] | str) -> bytes:
-    """A vector as `schemas.vectors` bytes; a server that sends base64 anyway sent exactly
-    those bytes (little-endian float32)."""
-    if isinstance(embedding, str):
-        return base64.b64decode(embedding)
-    return pack(embedding)
-
-
-def _human_number(count: int) -> str:
-    """A parameter count as Ollama writes it (``135M``, ``494.03M``, ``3.2B``)."""
-    for scale, unit, digits in ((1e9, "B", 1), (1e6, "M", 2), (1e3, "K", 0)):
-        if count >= scale:
-            number = count / scale
-            return f"{number:.0f}{unit}" if number.is_integer() else f"{number:.{digits}f}{unit}"
-    return str(count)
-
-
-def _error_text(text: str) -> str:
-    """The message of an error body, in OpenAI's shape (``{"error": {"message"}}``) or
-    Ollama's (``{"error": "..."}``); else the start of the body."""
-    try:
-        decoded = msgspec.json.decode(text)
-    except msgspec.DecodeError:
-        return text[:300]
-    if isinstance(decoded, dict):
-        error = decoded.get("error")
-        message = error.get("message") if isinstance(error, dict) else None
-        if isinstance(message, str):
-            return message
-        if isinstance(error, str):
-            return error
-    return text[:300]
 
 
 def _describe(exc: BaseException) -> str:

@@ -7,9 +7,10 @@ failure modes: duplicate consumers (two processes pulling one worker's queue), g
 version skew between services. On Linux it also reads the systemd unit files and names units
 that start the same worker (the two-units incident behind lesson 2).
 
-The checks are pure functions of what was gathered (`Gathered`), so they are tested without
-servers; `gather` does the I/O. Run it with the admin NATS user: it reads every consumer.
-Exit status 0 when nothing is wrong, 1 when a check found a problem.
+The checks are pure functions of what was gathered (`doctor_checks`), so they are tested
+without servers; the unit files are read by `unit_scan`; `gather` here does the I/O. Run it
+with the admin NATS user: it reads every consumer. Exit status 0 when nothing is wrong, 1 when
+a check found a problem.
 """
 
 from __future__ import annotations
@@ -19,347 +20,28 @@ import asyncio
 import contextlib
 import ipaddress
 import os
-import re
 import socket
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 from urllib.parse import urlsplit
-
-from nats.js.api import ConsumerInfo, RetentionPolicy, StreamConfig, StreamInfo
 
 from schemas.subjects import (
     ASLEEP_BUCKET,
     EVENTS_STREAM,
-    EVENTS_SUBJECTS,
     STATS_BUCKET,
-    STATS_CONSUMER,
     TASKS_STREAM,
     TASKS_SUBJECTS,
     WORKERS_BUCKET,
-    worker_consumer,
-    worker_of_consumer,
 )
-from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
-from services.fleet.liveness import is_fresh, is_live
-from services.runtime.settings import default_worker_id
+from schemas.workers import WorkerRecord
+from services.cli.doctor_checks import DEFAULT_TTL_S, Check, Gathered, evaluate
+from services.cli.unit_scan import scan_unit_dirs
 
 EXIT_PROBLEM: Final = 1
-DEFAULT_TTL_S: Final = 15.0
 DEFAULT_UNIT_DIRS: Final = ("/etc/systemd/system", "~/.config/systemd/user")
-
-Status = Literal["ok", "problem", "skipped"]
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: Status
-    detail: str
-
-    def line(self) -> str:
-        return f"{self.status:<8} {self.name:<22} {self.detail}"
-
-
-def _ok(name: str, detail: str) -> Check:
-    return Check(name, "ok", detail)
-
-
-def _problem(name: str, problems: Sequence[str]) -> Check:
-    return Check(name, "problem", "; ".join(problems))
-
-
-def _verdict(name: str, problems: Sequence[str], fine: str) -> Check:
-    return _problem(name, problems) if problems else _ok(name, fine)
-
-
-@dataclass
-class Gathered:
-    """What `gather` found; None where it could not look."""
-
-    now: float
-    nats_error: str = ""
-    server_version: str | None = None
-    jetstream: str | None = None  # None: enabled; otherwise why not
-    streams: dict[str, StreamInfo | None] = field(default_factory=dict)
-    task_subjects: dict[str, int] = field(default_factory=dict)
-    consumers: dict[str, list[ConsumerInfo]] = field(default_factory=dict)
-    records: list[WorkerRecord] = field(default_factory=list)
-    ttl_s: float = DEFAULT_TTL_S
-    services: list[tuple[str, str, str]] = field(default_factory=list)  # name, id, version
-    postgres: str | None = None  # "" fine, None not configured, text: what is wrong
-    postgres_detail: str = ""
-    backends: dict[str, str | None] = field(default_factory=dict)  # worker -> problem or None
-    units: dict[str, list[str]] | None = None  # worker id -> unit names; None: not Linux
-
-
-# -- pure checks -------------------------------------------------------------------------------
-
-
-def subject_matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: ``*`` one token, ``>`` one or more at the end."""
-    parts, tokens = pattern.split("."), subject.split(".")
-    for i, part in enumerate(parts):
-        if part == ">":
-            return len(tokens) > i
-        if i >= len(tokens) or (part != "*" and part != tokens[i]):
-            return False
-    return len(parts) == len(tokens)
-
-
-def check_streams(found: Mapping[str, StreamInfo | None]) -> Check:
-    expected: dict[str, tuple[str, RetentionPolicy | None]] = {
-        TASKS_STREAM: (TASKS_SUBJECTS, RetentionPolicy.WORK_QUEUE),
-        EVENTS_STREAM: (EVENTS_SUBJECTS, RetentionPolicy.LIMITS),
-    }
-    problems: list[str] = []
-    summary: list[str] = []
-    for name, (subject, retention) in expected.items():
-        info = found.get(name)
-        if info is None:
-            problems.append(f"stream {name} is missing (run `coordinator setup`)")
-            continue
-        config: StreamConfig = info.config
-        if subject not in (config.subjects or []):
-            problems.append(f"stream {name} does not take {subject} (subjects {config.subjects})")
-        if retention is not None and config.retention != retention:
-            problems.append(f"stream {name} has retention {config.retention}, not {retention}")
-        summary.append(f"{name} {info.state.messages} msgs")
-    for bucket in (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET):
-        if found.get(f"KV_{bucket}") is None:
-            problems.append(f"bucket {bucket} is missing (run `coordinator setup`)")
-    return _verdict("streams", problems, ", ".join(summary) + ", buckets present")
-
-
-def check_consumers(
-    consumers: Mapping[str, Sequence[ConsumerInfo]],
-    records: Sequence[WorkerRecord],
-    now: float,
-    ttl_s: float,
-) -> Check:
-    """Every live inference worker has its consumer, one task in flight at most, and the
-    stats projection has its durable consumer."""
-    live = {r.worker_id for r in records if is_live(r, now, ttl_s)}
-    tasks = {c.name: c for c in consumers.get(TASKS_STREAM, [])}
-    problems: list[str] = []
-    for record in records:
-        inference = INFERENCE_CAPABILITIES.intersection(record.supports)
-        if (
-            record.worker_id in live
-            and inference
-            and worker_consumer(record.worker_id) not in tasks
-        ):
-            problems.append(f"live worker {record.worker_id} has no consumer (not pulling)")
-    for name, info in tasks.items():
-        if worker_of_consumer(name) and (info.config.max_ack_pending or 0) > 1:
-            problems.append(f"{name} allows {info.config.max_ack_pending} tasks in flight, not 1")
-    if not any(c.name == STATS_CONSUMER for c in consumers.get(EVENTS_STREAM, [])):
-        problems.append("no 'stats' consumer on EVENTS: the stats service has not run")
-    return _verdict("consumers", problems, f"{len(tasks)} on {TASKS_STREAM}, stats on EVENTS")
-
-
-def check_duplicates(consumers: Mapping[str, Sequence[ConsumerInfo]]) -> Check:
-    """More than one pull waiting on a worker's own consumer: two processes pull its queue."""
-    problems = [
-        f"{c.name} has {c.num_waiting} pulls waiting: more than one process pulls it "
-        f"(look for a second unit or a leftover process of worker {worker_of_consumer(c.name)})"
-        for c in consumers.get(TASKS_STREAM, [])
-        if worker_of_consumer(c.name) and (c.num_waiting or 0) > 1
-    ]
-    return _verdict("duplicate consumers", problems, "one puller per worker consumer")
-
-
-def check_ghost_queues(
-    consumers: Mapping[str, Sequence[ConsumerInfo]],
-    task_subjects: Mapping[str, int],
-    records: Sequence[WorkerRecord],
-    now: float,
-    ttl_s: float,
-) -> Check:
-    """Tasks waiting where nobody pulls: a worker's consumer with pending tasks and no live
-    worker, or queued tasks on a subject no consumer takes."""
-    live = {r.worker_id for r in records if is_live(r, now, ttl_s)}
-    tasks = consumers.get(TASKS_STREAM, [])
-    problems: list[str] = []
-    for info in tasks:
-        worker = worker_of_consumer(info.name)
-        pending = (info.num_pending or 0) + (info.num_ack_pending or 0)
-        if worker is not None and pending and worker not in live:
-            problems.append(f"{info.name}: {pending} task(s) waiting, worker {worker} is not live")
-    filters = [c.config.filter_subject or ">" for c in tasks]
-    for subject, count in sorted(task_subjects.items()):
-        if count and not any(subject_matches(f, subject) for f in filters):
-            problems.append(f"{subject}: {count} task(s) waiting, no consumer takes them")
-    return _verdict("ghost queues", problems, "every waiting task has a live puller")
-
-
-def check_registrations(records: Sequence[WorkerRecord], now: float, ttl_s: float) -> Check:
-    """Registry entries whose heartbeat is no longer fresh (`is_fresh`): the process is gone,
-    or stuck. A stopping worker's fresh entry is not stale, only not live."""
-    problems = [
-        f"{r.worker_id} on {r.host} (pid {r.pid}): last heartbeat {now - r.heartbeat_at:.0f} s "
-        f"ago, TTL {ttl_s:g} s"
-        for r in records
-        if not is_fresh(r.heartbeat_at, now, ttl_s)
-    ]
-    live = sum(1 for r in records if is_live(r, now, ttl_s))
-    return _verdict("stale registrations", problems, f"{live} worker(s) registered and fresh")
-
-
-def check_versions(
-    records: Sequence[WorkerRecord], services: Sequence[tuple[str, str, str]]
-) -> Check:
-    """Every registered worker and every micro service runs the same version."""
-    seen: dict[str, list[str]] = {}
-    for r in records:
-        seen.setdefault(r.version, []).append(f"worker {r.worker_id}")
-    for name, _, version in services:
-        seen.setdefault(version, []).append(name)
-    if len(seen) <= 1:
-        return _ok("version skew", f"all on {next(iter(seen), 'unknown')}")
-    return _problem(
-        "version skew",
-        [f"{v}: {', '.join(sorted(who))}" for v, who in sorted(seen.items())],
-    )
-
-
-def check_units(units: Mapping[str, Sequence[str]] | None) -> Check:
-    if units is None:
-        return Check("service units", "skipped", "not Linux")
-    problems = [
-        f"worker {worker} is started by {len(names)} units: {', '.join(sorted(names))} "
-        "(disable all but one)"
-        for worker, names in sorted(units.items())
-        if len(names) > 1
-    ]
-    return _verdict("service units", problems, f"{len(units)} worker unit(s), one per worker")
-
-
-def evaluate(g: Gathered) -> list[Check]:
-    """Every check, in order, from what was gathered."""
-    checks: list[Check] = []
-    if g.server_version is None:
-        return [Check("nats", "problem", g.nats_error or "cannot connect")]
-    if g.jetstream is not None:
-        return [
-            _ok("nats", f"nats-server {g.server_version}"),
-            Check("jetstream", "problem", g.jetstream),
-        ]
-    checks.append(_ok("nats", f"nats-server {g.server_version}, JetStream on"))
-    checks.append(check_streams(g.streams))
-    checks.append(check_consumers(g.consumers, g.records, g.now, g.ttl_s))
-    if g.postgres is None:
-        checks.append(Check("postgresql", "skipped", "PG_DSN not set"))
-    elif g.postgres:
-        checks.append(Check("postgresql", "problem", g.postgres))
-    else:
-        checks.append(_ok("postgresql", g.postgres_detail))
-    backend_problems = [f"{w}: {p}" for w, p in sorted(g.backends.items()) if p]
-    checks.append(
-        _verdict("worker backends", backend_problems, f"{len(g.backends)} answered or skipped")
-    )
-    checks.append(check_duplicates(g.consumers))
-    checks.append(check_ghost_queues(g.consumers, g.task_subjects, g.records, g.now, g.ttl_s))
-    checks.append(check_registrations(g.records, g.now, g.ttl_s))
-    checks.append(check_versions(g.records, g.services))
-    checks.append(check_units(g.units))
-    return checks
-
-
-# -- systemd units (file parsing only: no systemctl) -------------------------------------------
-
-_WORKER_COMMAND = re.compile(r"\bcoordinator\b.*\s(worker|web-search)\b|\bworker\.py\b")
-
-
-def unit_worker_ids(
-    units: Iterable[tuple[str, Path]], default_id: str | None = None
-) -> dict[str, list[str]]:
-    """Which worker each unit starts, for ``(unit name, file to read)`` pairs: its
-    ``WORKER_ID`` from ``Environment=``, an ``EnvironmentFile=`` or the command line, with a
-    template's ``%i`` read as the instance name; a unit that runs a worker with no id starts the
-    host's default one. Returns worker id -> unit names."""
-    default = default_id or default_worker_id()
-    found: dict[str, set[str]] = {}
-    for name, path in units:
-        unit = _read_unit(path)
-        if unit is None:
-            continue
-        exec_start = " ".join(unit.get("ExecStart", []))
-        if not _WORKER_COMMAND.search(exec_start):
-            continue
-        instance = name.split("@", 1)[1].rsplit(".", 1)[0] if "@" in name else ""
-        if "@" in name and not instance:
-            continue  # a template: its instances are what run
-        worker_id: str | None = None
-        for line in unit.get("Environment", []):
-            for item in _split_words(line):
-                key, _, value = item.partition("=")
-                if key == "WORKER_ID":
-                    worker_id = value
-        for env_file in unit.get("EnvironmentFile", []):
-            worker_id = (
-                _worker_id_in(Path(env_file.lstrip("-").replace("%i", instance))) or worker_id
-            )
-        match = re.search(r"WORKER_ID=(\S+)", exec_start)
-        if match:
-            worker_id = match.group(1)
-        worker_id = (worker_id or default).replace("%i", instance).replace("%I", instance)
-        found.setdefault(worker_id, set()).add(name)
-    return {worker: sorted(names) for worker, names in found.items()}
-
-
-def scan_unit_dirs(
-    dirs: Iterable[str | Path], default_id: str | None = None
-) -> dict[str, list[str]]:
-    """`unit_worker_ids` over the unit files in ``dirs`` and their ``*.wants`` folders, where
-    an enabled template instance (``coordinator-worker@cpu1.service``) is a link whose file is
-    the template."""
-    units: dict[str, Path] = {}
-    for folder in dirs:
-        base = Path(folder).expanduser()
-        if not base.is_dir():
-            continue
-        for path in sorted([*base.glob("*.service"), *base.glob("*.wants/*.service")]):
-            if path.name not in units and path.exists():
-                units[path.name] = path
-    return unit_worker_ids(units.items(), default_id)
-
-
-def _read_unit(path: Path) -> dict[str, list[str]] | None:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
-    values: dict[str, list[str]] = {}
-    for raw in text.replace("\\\n", " ").splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("#", ";", "[")) or "=" not in line:
-            continue
-        key, _, value = line.partition("=")
-        values.setdefault(key.strip(), []).append(value.strip())
-    return values
-
-
-def _split_words(line: str) -> list[str]:
-    return [w.strip('"') for w in re.findall(r'"[^"]*"|\S+', line)]
-
-
-def _worker_id_in(path: Path) -> str | None:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
-    for raw in text.splitlines():
-        key, _, value = raw.strip().removeprefix("export ").partition("=")
-        if key.strip() == "WORKER_ID":
-            return value.strip().strip("\"'") or None
-    return None
-
-
-# -- gathering (I/O) ---------------------------------------------------------------------------
 
 
 def _loopback(url: str) -> bool:

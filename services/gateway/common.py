@@ -3,8 +3,8 @@
 decoding, Ollama's ``keep_alive``, timestamps, and the HTTP status of every error code.
 
 Pure: no I/O. The API modules (`services.gateway.ollama_api`, `openai_api`, `task_api`) and the
-fleet listings (`services.gateway.fleet`) build on it; `services.gateway.service` does the HTTP
-and the NATS.
+fleet listings (`services.gateway.fleet`) build on it; `services.gateway.service` (with `relay`
+and `responses`) does the HTTP and the NATS.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The gateway service: Ollama's and OpenAI's HTTP APIs (and the task API) in front of
-``coordinator.route``, on aiohttp.
+``coordinator.route``, on aiohttp: the app's routes, each a thin handler, and the lifecycle.
 
-Every generation (and every embedding batch) is routed with ``wait``: the router's first chunk
-(seq 0) names the task, so a client that goes away (aiohttp cancels its handler, or a write
-fails) has its task cancelled through ``coordinator.cancel``; pieces are forwarded as the
-worker produces them; the HTTP status is decided only when the first output (or the end)
-arrives, so a task that fails before any output still gets a proper error status. Ollama's
-model management (``/api/show``, ``/api/pull``, preloads, an embedding request with nothing to
-embed) and the model listings are answered from ``coordinator.workers`` alone: no task. The
-bodies, shapes and statuses are pure functions in the API modules (`ollama_api`,
-`ollama_answers`, `openai_api`, `openai_answers`, `task_api`, `fleet`, `common`).
+Every generation (and every embedding batch) is routed with ``wait`` and its answer relayed as
+it arrives (`relay`). Ollama's model management (``/api/show``, ``/api/pull``, preloads, an
+embedding request with nothing to embed) and the model listings are answered from
+``coordinator.workers`` alone: no task. The bodies, shapes and statuses are pure functions in
+the API modules (`ollama_api`, `ollama_answers`, `openai_api`, `openai_answers`, `task_api`,
+`fleet`, `common`); reading bodies and writing errors is `responses`, the bus is `bus`.
 
 Every request ends in one ``request`` log line (path, model, status, code, and the task when
 there was one), refusals before routing included.
@@ -21,7 +18,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from typing import Final
 
 import msgspec
 import structlog
@@ -29,27 +25,16 @@ from aiohttp import web
 from nats.aio.client import Client
 
 from schemas.queries import TaskQuery
-from schemas.route import (
-    CHUNK_HEADER,
-    RouteRequest,
-    StreamChunk,
-)
 from schemas.subjects import ROUTE, TASK
 from services import __version__
 from services.gateway import fleet, ollama_api, openai_api
-from services.gateway.bus import QUERY_TIMEOUT_S, FleetBus, next_msg
-from services.gateway.common import (
-    OLLAMA_API_VERSION,
-    ApiError,
-    Ask,
-    Instant,
-    Shape,
-    model_named,
-    too_large,
-)
+from services.gateway.bus import QUERY_TIMEOUT_S, FleetBus
+from services.gateway.common import OLLAMA_API_VERSION, ApiError, Ask, Instant, Shape, model_named
 from services.gateway.fleet import Served
 from services.gateway.ollama_answers import OllamaEmbedShape, OllamaShape, ollama_pull
 from services.gateway.openai_answers import OpenAIEmbedShape, OpenAIShape
+from services.gateway.relay import Relay
+from services.gateway.responses import JSON, NDJSON, read_body, refused
 from services.gateway.task_api import TaskShape, task_route
 from services.runtime.bus import connect
 from services.runtime.errors import ConfigError
@@ -58,14 +43,7 @@ from services.runtime.settings import GatewaySettings
 
 log = structlog.get_logger("gateway")
 
-# The router replies within the task's timeout plus its margin; the gateway waits beyond that.
-WAIT_MARGIN_S: Final = 60.0
-JSON: Final = "application/json"
-NDJSON: Final = "application/x-ndjson"
-TASK_HEADER: Final = "X-Coordinator-Task"
-
 _encoder = msgspec.json.Encoder()
-_chunk_decoder = msgspec.json.Decoder(StreamChunk)
 
 Parser = Callable[..., Ask | Instant]
 MakeShape = Callable[[str, Ask | None], Shape]
@@ -80,6 +58,7 @@ class Gateway:
         self.tasks = TaskSet()
         self.bus = FleetBus(nc)
         self.replies = self.bus.replies
+        self.relay = Relay(nc, self.bus, self.tasks, settings)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.gateway_max_body_bytes)
@@ -232,7 +211,7 @@ class Gateway:
                 return await self._instant(request, ask)
         except ApiError as exc:
             return self._refused(request, make_shape("", None), exc, model_named(body))
-        return await self._serve(request, ask.route, make_shape(ask.route.model, ask))
+        return await self.relay.serve(request, ask.route, make_shape(ask.route.model, ask))
 
     # -- the task API ----------------------------------------------------------------------------
 
@@ -244,7 +223,7 @@ class Gateway:
             body = await self._read(request)
             asked = task_route(body)
             if asked.wait or asked.stream:
-                return await self._serve(request, asked, shape)
+                return await self.relay.serve(request, asked, shape)
             reply = await self.bus.call(ROUTE, body, QUERY_TIMEOUT_S)
         except ApiError as exc:
             return self._refused(request, shape, exc, model_named(body))
@@ -259,106 +238,7 @@ class Gateway:
             return self._refused(request, TaskShape(), exc)
         return web.Response(body=reply, content_type=JSON)
 
-    # -- the route call --------------------------------------------------------------------------
-
-    async def _serve(
-        self, request: web.Request, route: RouteRequest, shape: Shape
-    ) -> web.StreamResponse:
-        """Route ``route`` (``wait`` set; ``stream`` as the client asked) and answer in
-        ``shape``. A client that goes away has its task cancelled."""
-        started = time.perf_counter()
-        stream = route.stream
-        inbox, queue = self.replies.open()
-        handed_over = False  # to the task that cancels for a client gone away
-        task_id: str | None = None
-        response: web.StreamResponse | None = None
-        status = 200
-        code: str | None = None
-        try:
-            encoded = _encoder.encode(route)
-            if len(encoded) > self.nc.max_payload:
-                # A NATS server with a lower limit than the shipped 8 MB: refused here, in the
-                # API's shape, rather than as a failed publish.
-                raise ApiError(
-                    413,
-                    "too_large",
-                    f"the request is {len(encoded)} bytes as a route request, over the NATS "
-                    f"server's max_payload of {self.nc.max_payload} bytes (set "
-                    "GATEWAY_MAX_BODY_BYTES below it, or raise max_payload on every server)",
-                )
-            await self.nc.publish(ROUTE, encoded, reply=inbox)
-            wait_s = self._wait_s(route)
-            while True:
-                msg = await next_msg(queue, wait_s)
-                if msg is None:
-                    raise ApiError(504, "timeout", f"no answer from the router within {wait_s:g} s")
-                headers = msg.headers or {}
-                if CHUNK_HEADER in headers:
-                    chunk = _chunk_decoder.decode(msg.data)
-                    task_id = chunk.task_id
-                    piece = shape.piece(chunk)
-                    if response is None and (piece is not None or shape.start_on_accept):
-                        response = await self._start(request, shape, task_id)
-                    if piece is not None and response is not None:
-                        await response.write(piece)
-                    continue
-                reply = await self.bus.final(
-                    msg.data, headers, failed_is_error=not isinstance(shape, TaskShape)
-                )
-                task_id = reply.task_id
-                if not stream:
-                    return web.Response(
-                        body=shape.whole(reply), content_type=JSON, headers={TASK_HEADER: task_id}
-                    )
-                if response is None:
-                    response = await self._start(request, shape, task_id)
-                await response.write(shape.end(reply))
-                await response.write_eof()
-                return response
-        except ApiError as exc:
-            status, code = exc.status, exc.code
-            if response is None:
-                return self._error(shape, exc)
-            # Too late for a status: say it the way the API says errors mid-stream.
-            await response.write(shape.stream_error(exc.code, exc.message))
-            await response.write_eof()
-            return response
-        except (asyncio.CancelledError, ConnectionResetError):
-            status = 499  # nginx's "client closed request", for the log line only
-            self.tasks.spawn(self.bus.cancel_abandoned(inbox, queue, task_id), name="cancel")
-            handed_over = True
-            raise
-        finally:
-            if not handed_over:
-                self.replies.close(inbox)
-            log.info(
-                "request",
-                path=request.path,
-                model=route.model,
-                task_id=task_id,
-                status=status,
-                code=code,
-                stream=stream,
-                ms=round((time.perf_counter() - started) * 1000, 2),
-            )
-
-    async def _start(self, request: web.Request, shape: Shape, task_id: str) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": shape.stream_type,
-                "Cache-Control": "no-cache",
-                TASK_HEADER: task_id,
-            }
-        )
-        await response.prepare(request)
-        return response
-
-    def _wait_s(self, route: RouteRequest) -> float:
-        if route.timeout_s is not None:
-            return route.timeout_s + WAIT_MARGIN_S
-        return self.settings.gateway_reply_timeout_s
-
-    # -- bus helpers -----------------------------------------------------------------------------
+    # -- helpers ---------------------------------------------------------------------------------
 
     async def _serving(self, model: str, *, pull: bool = False) -> Served:
         """The model ``model`` names and the live workers serving it: a bare name is its
@@ -367,34 +247,13 @@ class Gateway:
         return fleet.serving(model, known.workers, known.aliases, pull=pull)
 
     async def _read(self, request: web.Request) -> bytes:
-        """The body, refused at once when its ``Content-Length`` is over the limit (and when
-        a chunked one grows over it)."""
-        limit = self.settings.gateway_max_body_bytes
-        length = request.content_length
-        if length is not None and length > limit:
-            raise ApiError(413, "too_large", too_large(limit, length))
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, "too_large", too_large(limit)) from None
+        return await read_body(request, self.settings.gateway_max_body_bytes)
 
     def _refused(
         self, request: web.Request, shape: Shape, exc: ApiError, model: str = ""
     ) -> web.Response:
-        """The error answer to a request refused before (or without) routing, with its log
-        line."""
-        log.info("request", path=request.path, model=model, status=exc.status, code=exc.code)
-        return self._error(shape, exc)
-
-    def _error(self, shape: Shape, exc: ApiError) -> web.Response:
-        headers = {}
-        if exc.status == 503:
-            headers["Retry-After"] = str(self.settings.gateway_retry_after_s)
-        return web.Response(
-            status=exc.status,
-            body=shape.error(exc.status, exc.code, exc.message),
-            content_type=JSON,
-            headers=headers,
+        return refused(
+            request, shape, exc, retry_after_s=self.settings.gateway_retry_after_s, model=model
         )
 
 

@@ -52,13 +52,9 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from schemas.events import AnyEvent, any_event_decoder
 from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS
 from services.runtime.errors import CoordinatorError, Unavailable
-from services.stats.projector import (
-    PROJECTION_LOCK,
-    PROJECTION_TABLES,
-    Connection,
-    project,
-    refresh_figures,
-)
+from services.stats.figure_rows import refresh_figures
+from services.stats.projector import project
+from services.stats.rows import PROJECTION_LOCK, PROJECTION_TABLES, Connection
 from services.stats.store import SCHEMA_PATH, Unstorable, database_errors, redact_dsn
 
 log = structlog.get_logger("stats.rebuild")

@@ -28,19 +28,15 @@ from schemas.queries import TaskView
 from schemas.stats import AliasView, ExclusionView, FigureView, StatsQuery
 from services.fleet.aliases import resolve
 from services.runtime.errors import CoordinatorError, Unavailable
+from services.stats.figure_rows import FIGURE_COLUMNS, NOT_EXCLUDED, refresh_figures
 from services.stats.projection import TaskState, to_view
-from services.stats.projector import (
-    FIGURE_COLUMNS,
-    NOT_EXCLUDED,
+from services.stats.projector import Projected, load_aliases, project
+from services.stats.rows import (
     PROJECTION_LOCK,
     SELECT_TASK,
     TASK_COLUMNS,
     TASKS_PROJECTION,
     FigureKey,
-    Projected,
-    load_aliases,
-    project,
-    refresh_figures,
     state_from_row,
 )
 

@@ -16,8 +16,8 @@ from devtools.servers import NatsServer, free_port
 from schemas.subjects import TASKS_STREAM, WORKERS_BUCKET
 from schemas.workers import WorkerRecord
 from services import __version__
-from services.cli.deploy import check_health, setup_streams
 from services.cli.doctor import run_doctor
+from services.cli.health import check_health, setup_streams
 from services.runtime.settings import WorkerSettings
 from services.worker.service import run as run_worker
 from tests.harness import ServiceRunner, clean_env, eventually, run_cli, workers_live

@@ -21,16 +21,15 @@ from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.events import ALIAS_EVENTS, AliasSet, ExclusionAdded
 from schemas.subjects import EVENTS_STREAM, ROUTE, TASK, TASKS_STREAM
-from services.cli.deploy import (
-    DEPLOY_DIR,
+from services.cli.health import check_health, setup_streams
+from services.cli.permissions import (
     EXAMPLE_WEB_WORKERS,
     EXAMPLE_WORKERS,
     NATS_ROLES,
-    check_health,
     nats_user,
     password_variable,
-    setup_streams,
 )
+from services.cli.roles import DEPLOY_DIR
 from services.reaper.service import run as run_reaper
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import ensure_streams, publish_event

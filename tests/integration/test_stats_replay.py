@@ -36,8 +36,8 @@ from schemas.stats import RoutingFigure, StatsReply
 from schemas.subjects import EVENTS_STREAM, STATS_BUCKET
 from services.runtime.bus import publish_event
 from services.stats.figures import kv_key
-from services.stats.projector import PROJECTION_TABLES
 from services.stats.rebuild import REBUILD_LOCK
+from services.stats.rows import PROJECTION_TABLES
 from tests.harness import request
 from tests.integration.test_stats import (
     all_acked,

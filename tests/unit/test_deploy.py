@@ -14,18 +14,15 @@ import msgspec
 import pytest
 import yaml
 
-from services.cli.deploy import (
-    DEPLOY_DIR,
+from services.cli.main import build_parser
+from services.cli.permissions import (
     EXAMPLE_WEB_WORKERS,
     EXAMPLE_WORKERS,
-    SERVICE_ROLES,
-    read_env_file,
-    render_launchd,
     render_nats_conf,
-    render_systemd,
     role_permissions,
 )
-from services.cli.main import build_parser
+from services.cli.roles import DEPLOY_DIR, SERVICE_ROLES
+from services.cli.units import read_env_file, render_launchd, render_systemd
 from services.runtime import settings as settings_module
 from services.runtime.errors import ConfigError
 

@@ -8,15 +8,15 @@ from pathlib import Path
 from nats.js.api import ConsumerConfig, ConsumerInfo
 
 from schemas.workers import WorkerRecord
-from services.cli.doctor import (
+from services.cli.doctor_checks import (
     check_duplicates,
     check_ghost_queues,
     check_registrations,
     check_units,
     check_versions,
-    scan_unit_dirs,
     subject_matches,
 )
+from services.cli.unit_scan import scan_unit_dirs
 
 NOW = 1_000_000.0
 

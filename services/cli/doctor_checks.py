@@ -1,0 +1,247 @@
+"""``coordinator doctor``'s checks: pure functions of what was gathered (`Gathered`).
+
+Each check gives one line: NATS and JetStream, the streams, buckets and consumers as the
+services make them, PostgreSQL, each registered worker's model server, and the fleet's known
+failure modes: duplicate consumers (two processes pulling one worker's queue), ghost queues
+(tasks waiting where nobody pulls), stale registrations (a heartbeat older than the TTL),
+version skew between services and systemd units that start the same worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from nats.js.api import ConsumerInfo, RetentionPolicy, StreamConfig, StreamInfo
+
+from schemas.subjects import (
+    ASLEEP_BUCKET,
+    EVENTS_STREAM,
+    EVENTS_SUBJECTS,
+    STATS_BUCKET,
+    STATS_CONSUMER,
+    TASKS_STREAM,
+    TASKS_SUBJECTS,
+    WORKERS_BUCKET,
+    worker_consumer,
+    worker_of_consumer,
+)
+from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
+from services.fleet.liveness import is_fresh, is_live
+
+DEFAULT_TTL_S: Final = 15.0
+
+Status = Literal["ok", "problem", "skipped"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status:<8} {self.name:<22} {self.detail}"
+
+
+def _ok(name: str, detail: str) -> Check:
+    return Check(name, "ok", detail)
+
+
+def _problem(name: str, problems: Sequence[str]) -> Check:
+    return Check(name, "problem", "; ".join(problems))
+
+
+def _verdict(name: str, problems: Sequence[str], fine: str) -> Check:
+    return _problem(name, problems) if problems else _ok(name, fine)
+
+
+@dataclass
+class Gathered:
+    """What `gather` found; None where it could not look."""
+
+    now: float
+    nats_error: str = ""
+    server_version: str | None = None
+    jetstream: str | None = None  # None: enabled; otherwise why not
+    streams: dict[str, StreamInfo | None] = field(default_factory=dict)
+    task_subjects: dict[str, int] = field(default_factory=dict)
+    consumers: dict[str, list[ConsumerInfo]] = field(default_factory=dict)
+    records: list[WorkerRecord] = field(default_factory=list)
+    ttl_s: float = DEFAULT_TTL_S
+    services: list[tuple[str, str, str]] = field(default_factory=list)  # name, id, version
+    postgres: str | None = None  # "" fine, None not configured, text: what is wrong
+    postgres_detail: str = ""
+    backends: dict[str, str | None] = field(default_factory=dict)  # worker -> problem or None
+    units: dict[str, list[str]] | None = None  # worker id -> unit names; None: not Linux
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` one or more at the end."""
+    parts, tokens = pattern.split("."), subject.split(".")
+    for i, part in enumerate(parts):
+        if part == ">":
+            return len(tokens) > i
+        if i >= len(tokens) or (part != "*" and part != tokens[i]):
+            return False
+    return len(parts) == len(tokens)
+
+
+def check_streams(found: Mapping[str, StreamInfo | None]) -> Check:
+    expected: dict[str, tuple[str, RetentionPolicy | None]] = {
+        TASKS_STREAM: (TASKS_SUBJECTS, RetentionPolicy.WORK_QUEUE),
+        EVENTS_STREAM: (EVENTS_SUBJECTS, RetentionPolicy.LIMITS),
+    }
+    problems: list[str] = []
+    summary: list[str] = []
+    for name, (subject, retention) in expected.items():
+        info = found.get(name)
+        if info is None:
+            problems.append(f"stream {name} is missing (run `coordinator setup`)")
+            continue
+        config: StreamConfig = info.config
+        if subject not in (config.subjects or []):
+            problems.append(f"stream {name} does not take {subject} (subjects {config.subjects})")
+        if retention is not None and config.retention != retention:
+            problems.append(f"stream {name} has retention {config.retention}, not {retention}")
+        summary.append(f"{name} {info.state.messages} msgs")
+    for bucket in (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET):
+        if found.get(f"KV_{bucket}") is None:
+            problems.append(f"bucket {bucket} is missing (run `coordinator setup`)")
+    return _verdict("streams", problems, ", ".join(summary) + ", buckets present")
+
+
+def check_consumers(
+    consumers: Mapping[str, Sequence[ConsumerInfo]],
+    records: Sequence[WorkerRecord],
+    now: float,
+    ttl_s: float,
+) -> Check:
+    """Every live inference worker has its consumer, one task in flight at most, and the
+    stats projection has its durable consumer."""
+    live = {r.worker_id for r in records if is_live(r, now, ttl_s)}
+    tasks = {c.name: c for c in consumers.get(TASKS_STREAM, [])}
+    problems: list[str] = []
+    for record in records:
+        inference = INFERENCE_CAPABILITIES.intersection(record.supports)
+        if (
+            record.worker_id in live
+            and inference
+            and worker_consumer(record.worker_id) not in tasks
+        ):
+            problems.append(f"live worker {record.worker_id} has no consumer (not pulling)")
+    for name, info in tasks.items():
+        if worker_of_consumer(name) and (info.config.max_ack_pending or 0) > 1:
+            problems.append(f"{name} allows {info.config.max_ack_pending} tasks in flight, not 1")
+    if not any(c.name == STATS_CONSUMER for c in consumers.get(EVENTS_STREAM, [])):
+        problems.append("no 'stats' consumer on EVENTS: the stats service has not run")
+    return _verdict("consumers", problems, f"{len(tasks)} on {TASKS_STREAM}, stats on EVENTS")
+
+
+def check_duplicates(consumers: Mapping[str, Sequence[ConsumerInfo]]) -> Check:
+    """More than one pull waiting on a worker's own consumer: two processes pull its queue."""
+    problems = [
+        f"{c.name} has {c.num_waiting} pulls waiting: more than one process pulls it "
+        f"(look for a second unit or a leftover process of worker {worker_of_consumer(c.name)})"
+        for c in consumers.get(TASKS_STREAM, [])
+        if worker_of_consumer(c.name) and (c.num_waiting or 0) > 1
+    ]
+    return _verdict("duplicate consumers", problems, "one puller per worker consumer")
+
+
+def check_ghost_queues(
+    consumers: Mapping[str, Sequence[ConsumerInfo]],
+    task_subjects: Mapping[str, int],
+    records: Sequence[WorkerRecord],
+    now: float,
+    ttl_s: float,
+) -> Check:
+    """Tasks waiting where nobody pulls: a worker's consumer with pending tasks and no live
+    worker, or queued tasks on a subject no consumer takes."""
+    live = {r.worker_id for r in records if is_live(r, now, ttl_s)}
+    tasks = consumers.get(TASKS_STREAM, [])
+    problems: list[str] = []
+    for info in tasks:
+        worker = worker_of_consumer(info.name)
+        pending = (info.num_pending or 0) + (info.num_ack_pending or 0)
+        if worker is not None and pending and worker not in live:
+            problems.append(f"{info.name}: {pending} task(s) waiting, worker {worker} is not live")
+    filters = [c.config.filter_subject or ">" for c in tasks]
+    for subject, count in sorted(task_subjects.items()):
+        if count and not any(subject_matches(f, subject) for f in filters):
+            problems.append(f"{subject}: {count} task(s) waiting, no consumer takes them")
+    return _verdict("ghost queues", problems, "every waiting task has a live puller")
+
+
+def check_registrations(records: Sequence[WorkerRecord], now: float, ttl_s: float) -> Check:
+    """Registry entries whose heartbeat is no longer fresh (`is_fresh`): the process is gone,
+    or stuck. A stopping worker's fresh entry is not stale, only not live."""
+    problems = [
+        f"{r.worker_id} on {r.host} (pid {r.pid}): last heartbeat {now - r.heartbeat_at:.0f} s "
+        f"ago, TTL {ttl_s:g} s"
+        for r in records
+        if not is_fresh(r.heartbeat_at, now, ttl_s)
+    ]
+    live = sum(1 for r in records if is_live(r, now, ttl_s))
+    return _verdict("stale registrations", problems, f"{live} worker(s) registered and fresh")
+
+
+def check_versions(
+    records: Sequence[WorkerRecord], services: Sequence[tuple[str, str, str]]
+) -> Check:
+    """Every registered worker and every micro service runs the same version."""
+    seen: dict[str, list[str]] = {}
+    for r in records:
+        seen.setdefault(r.version, []).append(f"worker {r.worker_id}")
+    for name, _, version in services:
+        seen.setdefault(version, []).append(name)
+    if len(seen) <= 1:
+        return _ok("version skew", f"all on {next(iter(seen), 'unknown')}")
+    return _problem(
+        "version skew",
+        [f"{v}: {', '.join(sorted(who))}" for v, who in sorted(seen.items())],
+    )
+
+
+def check_units(units: Mapping[str, Sequence[str]] | None) -> Check:
+    if units is None:
+        return Check("service units", "skipped", "not Linux")
+    problems = [
+        f"worker {worker} is started by {len(names)} units: {', '.join(sorted(names))} "
+        "(disable all but one)"
+        for worker, names in sorted(units.items())
+        if len(names) > 1
+    ]
+    return _verdict("service units", problems, f"{len(units)} worker unit(s), one per worker")
+
+
+def evaluate(g: Gathered) -> list[Check]:
+    """Every check, in order, from what was gathered."""
+    checks: list[Check] = []
+    if g.server_version is None:
+        return [Check("nats", "problem", g.nats_error or "cannot connect")]
+    if g.jetstream is not None:
+        return [
+            _ok("nats", f"nats-server {g.server_version}"),
+            Check("jetstream", "problem", g.jetstream),
+        ]
+    checks.append(_ok("nats", f"nats-server {g.server_version}, JetStream on"))
+    checks.append(check_streams(g.streams))
+    checks.append(check_consumers(g.consumers, g.records, g.now, g.ttl_s))
+    if g.postgres is None:
+        checks.append(Check("postgresql", "skipped", "PG_DSN not set"))
+    elif g.postgres:
+        checks.append(Check("postgresql", "problem", g.postgres))
+    else:
+        checks.append(_ok("postgresql", g.postgres_detail))
+    backend_problems = [f"{w}: {p}" for w, p in sorted(g.backends.items()) if p]
+    checks.append(
+        _verdict("worker backends", backend_problems, f"{len(g.backends)} answered or skipped")
+    )
+    checks.append(check_duplicates(g.consumers))
+    checks.append(check_ghost_queues(g.consumers, g.task_subjects, g.records, g.now, g.ttl_s))
+    checks.append(check_registrations(g.records, g.now, g.ttl_s))
+    checks.append(check_versions(g.records, g.services))
+    checks.append(check_units(g.units))
+    return checks

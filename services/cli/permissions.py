@@ -1,0 +1,311 @@
+"""The NATS server configuration: one user per role, with only the subjects that role needs.
+
+The permissions are built here from the same names the services use (subjects, consumer
+names), so the configuration cannot drift from the code: the committed
+``deploy/nats/nats-server.conf`` is this module's rendering, and a test holds them equal.
+Pure, but for reading the configuration's template.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final
+
+from schemas.subjects import (
+    ASLEEP_BUCKET,
+    EVENTS_STREAM,
+    REAPER_SERVICE,
+    REAPER_STATUS,
+    ROUTE,
+    SHARED_CONSUMER,
+    SHARED_CPU_QUEUE,
+    STATS,
+    STATS_BUCKET,
+    STATS_CONSUMER,
+    TASK,
+    TASKS_STREAM,
+    WEB_CONSUMER,
+    WEB_QUEUE,
+    WORKERS,
+    WORKERS_BUCKET,
+    InvalidId,
+    check_worker_id,
+    worker_consumer,
+    worker_queue_filter,
+)
+from services.cli.roles import DEPLOY_DIR, PER_WORKER
+from services.runtime.errors import ConfigError
+
+
+@dataclass
+class Permissions:
+    """One NATS user's permissions: subjects it may publish to and subscribe to."""
+
+    publish: list[str] = field(default_factory=list)
+    subscribe: list[str] = field(default_factory=list)
+    publish_deny: list[str] = field(default_factory=list)
+
+
+def _api(*suffixes: str) -> list[str]:
+    return [f"$JS.API.{suffix}" for suffix in suffixes]
+
+
+def _stream_info(*streams: str) -> list[str]:
+    return _api(*(f"STREAM.INFO.{stream}" for stream in streams))
+
+
+def _kv(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+# What every service does: JetStream API replies and request replies arrive on inboxes.
+_INBOX: Final = "_INBOX.>"
+# Reading a KV bucket whole (watch, keys) is an ordered consumer on its stream.
+_KV_WATCH = [
+    *(f"$JS.API.CONSUMER.CREATE.{_kv(b)}" for b in (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET)),
+    *(f"$JS.API.CONSUMER.CREATE.{_kv(b)}.>" for b in (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET)),
+    *(f"$JS.API.CONSUMER.INFO.{_kv(b)}.*" for b in (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET)),
+]
+# The alias map (services/runtime/aliases.py): a named ordered consumer whose create request
+# names its filter; only the alias events can be read this way.
+_ALIASES = [
+    f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.*.events.stats.alias.>",
+    f"$JS.API.CONSUMER.INFO.{EVENTS_STREAM}.*",
+    # Ordered consumers answer the server's flow control.
+    "$JS.FC.>",
+]
+# A worker's reads of its tasks' events (services/runtime/outcomes.py: the current attempt,
+# an outcome already stored, who started it), by subject: never a prompt (``submitted``).
+_OUTCOME_READS = [
+    f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.task.*.{kind}"
+    for kind in ("routed", "started", "completed", "failed")
+]
+_TASK_OUTCOMES = [f"events.task.*.{kind}" for kind in ("started", "completed", "failed")]
+# The registry: read any entry (a web worker checks whether another is alive), write one's own.
+_REGISTRY_READS = [
+    f"$JS.API.STREAM.MSG.GET.{_kv(WORKERS_BUCKET)}",
+    f"$JS.API.DIRECT.GET.{_kv(WORKERS_BUCKET)}.>",
+]
+# Service roles answer requests and PINGs as NATS micro services.
+_MICRO = ["$SRV.>"]
+
+
+def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
+    """What one role's NATS user may do. ``worker_id`` for ``worker`` and ``web-search``."""
+    if role in PER_WORKER:
+        if worker_id is None:
+            raise ConfigError(f"role {role} needs a worker id")
+        try:
+            check_worker_id(worker_id)
+        except InvalidId as exc:
+            raise ConfigError(str(exc)) from None
+    if role == "worker":
+        assert worker_id is not None
+        own, queues = worker_consumer(worker_id), worker_queue_filter(worker_id)
+        return Permissions(
+            publish=[
+                *_stream_info(TASKS_STREAM, EVENTS_STREAM, _kv(WORKERS_BUCKET), _kv(ASLEEP_BUCKET)),
+                # Its own consumer, only with its own queues as the filter; the shared CPU pool.
+                f"$JS.API.CONSUMER.CREATE.{TASKS_STREAM}.{own}.{queues}",
+                f"$JS.API.CONSUMER.CREATE.{TASKS_STREAM}.{SHARED_CONSUMER}.{SHARED_CPU_QUEUE}",
+                *(
+                    f"$JS.API.CONSUMER.{verb}.{TASKS_STREAM}.{name}"
+                    for verb in ("INFO", "MSG.NEXT")
+                    for name in (own, SHARED_CONSUMER)
+                ),
+                f"$JS.ACK.{TASKS_STREAM}.{own}.>",
+                f"$JS.ACK.{TASKS_STREAM}.{SHARED_CONSUMER}.>",
+                *_TASK_OUTCOMES,
+                f"events.worker.{worker_id}.>",
+                f"$KV.{WORKERS_BUCKET}.{worker_id}",
+                f"$KV.{ASLEEP_BUCKET}.{worker_id}",
+                *_REGISTRY_READS,
+                *_OUTCOME_READS,
+                *_ALIASES,
+                # Streamed answers go to the client's reply inbox.
+                _INBOX,
+            ],
+            # The stats service's durable consumer on EVENTS must not be re-filtered.
+            publish_deny=[f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.{STATS_CONSUMER}.>"],
+            subscribe=[_INBOX, "coordinator.cancel.*"],
+        )
+    if role == "web-search":
+        assert worker_id is not None
+        return Permissions(
+            publish=[
+                *_stream_info(TASKS_STREAM, EVENTS_STREAM, _kv(WORKERS_BUCKET)),
+                f"$JS.API.CONSUMER.CREATE.{TASKS_STREAM}.{WEB_CONSUMER}.{WEB_QUEUE}",
+                f"$JS.API.CONSUMER.INFO.{TASKS_STREAM}.{WEB_CONSUMER}",
+                f"$JS.API.CONSUMER.MSG.NEXT.{TASKS_STREAM}.{WEB_CONSUMER}",
+                f"$JS.ACK.{TASKS_STREAM}.{WEB_CONSUMER}.>",
+                *_TASK_OUTCOMES,
+                f"events.worker.{worker_id}.>",
+                f"$KV.{WORKERS_BUCKET}.{worker_id}",
+                *_REGISTRY_READS,
+                *_OUTCOME_READS,
+                _INBOX,
+            ],
+            subscribe=[_INBOX, "coordinator.cancel.*"],
+        )
+    if role == "router":
+        return Permissions(
+            publish=[
+                *_api("STREAM.INFO.*", f"STREAM.MSG.GET.{EVENTS_STREAM}"),
+                f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.>",
+                # Removing a task a woken worker never started.
+                f"$JS.API.STREAM.MSG.DELETE.{TASKS_STREAM}",
+                "tasks.>",
+                *(f"events.task.*.{kind}" for kind in ("submitted", "routed", "failed")),
+                "events.worker.*.wake_requested",
+                "coordinator.cancel.*",
+                *_KV_WATCH,
+                *_ALIASES,
+                "$SRV.PING.coordinator-router",
+                # Whether a reaper runs decides who moves a retryable failure on.
+                f"$SRV.PING.{REAPER_SERVICE}",
+                _INBOX,
+            ],
+            subscribe=[
+                _INBOX,
+                *_MICRO,
+                ROUTE,
+                WORKERS,
+                "coordinator.cancel",
+                "events.task.>",
+                "events.worker.*.duplicate",
+            ],
+        )
+    if role == "stats":
+        return Permissions(
+            publish=[
+                *_api("STREAM.INFO.*", f"STREAM.MSG.GET.{EVENTS_STREAM}"),
+                f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.>",
+                f"$JS.API.CONSUMER.DURABLE.CREATE.{EVENTS_STREAM}.{STATS_CONSUMER}",
+                f"$JS.API.CONSUMER.INFO.{EVENTS_STREAM}.*",
+                f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS_STREAM}.{STATS_CONSUMER}",
+                f"$JS.ACK.{EVENTS_STREAM}.{STATS_CONSUMER}.>",
+                # A rebuild replays the whole log through an ordered consumer.
+                f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}",
+                f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.>",
+                "$JS.FC.>",
+                "events.stats.>",
+                f"$KV.{STATS_BUCKET}.>",
+                *_KV_WATCH,
+                "$SRV.PING.coordinator-stats",
+                _INBOX,
+            ],
+            subscribe=[_INBOX, *_MICRO, TASK, STATS, "coordinator.stats.>"],
+        )
+    if role == "reaper":
+        # Watches the registry, the consumers and the task events; re-routes or fails tasks.
+        return Permissions(
+            publish=[
+                *_api(
+                    "STREAM.INFO.*",
+                    f"STREAM.MSG.GET.{EVENTS_STREAM}",
+                    f"STREAM.MSG.GET.{TASKS_STREAM}",
+                    f"STREAM.MSG.DELETE.{TASKS_STREAM}",
+                    f"CONSUMER.LIST.{TASKS_STREAM}",
+                    f"CONSUMER.NAMES.{TASKS_STREAM}",
+                    f"CONSUMER.INFO.{TASKS_STREAM}.*",
+                    f"CONSUMER.CREATE.{EVENTS_STREAM}",
+                    f"CONSUMER.CREATE.{EVENTS_STREAM}.>",
+                    f"CONSUMER.DURABLE.CREATE.{EVENTS_STREAM}.reaper",
+                    f"CONSUMER.INFO.{EVENTS_STREAM}.*",
+                    f"CONSUMER.MSG.NEXT.{EVENTS_STREAM}.reaper",
+                ),
+                f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.>",
+                f"$JS.ACK.{EVENTS_STREAM}.reaper.>",
+                "$JS.FC.>",
+                "tasks.>",
+                "events.task.>",
+                "events.worker.>",
+                *_KV_WATCH,
+                *_ALIASES,
+                f"$SRV.PING.{REAPER_SERVICE}",  # its health check
+                _INBOX,
+            ],
+            subscribe=[_INBOX, *_MICRO, REAPER_STATUS, "events.task.>", "events.worker.>"],
+        )
+    if role == "gateway":
+        return Permissions(
+            publish=[ROUTE, TASK, WORKERS, STATS, "coordinator.cancel"],
+            subscribe=[_INBOX, *_MICRO],
+        )
+    if role == "client":
+        # People's commands (ask, task, workers, stats, alias): requests only.
+        return Permissions(
+            publish=[ROUTE, TASK, WORKERS, STATS, "coordinator.stats.>", "coordinator.cancel"],
+            subscribe=[_INBOX],
+        )
+    if role == "jobs":
+        # judge and bench: requests, their own events, and reading events by subject.
+        return Permissions(
+            publish=[
+                ROUTE,
+                WORKERS,
+                STATS,
+                "coordinator.stats.>",
+                *_stream_info(EVENTS_STREAM),
+                f"$JS.API.STREAM.MSG.GET.{EVENTS_STREAM}",
+                f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.>",
+                "events.quality.>",
+                "events.bench.>",
+            ],
+            subscribe=[_INBOX],
+        )
+    raise ConfigError(f"unknown role {role!r}")
+
+
+def nats_user(role: str, worker_id: str | None = None) -> str:
+    """The NATS user name of a role: the role, or ``worker-<id>`` / ``web-<id>``."""
+    if role == "worker":
+        return f"worker-{worker_id}"
+    if role == "web-search":
+        return f"web-{worker_id}"
+    return role
+
+
+def password_variable(user: str) -> str:
+    """The environment variable nats-server reads a user's password from: ``<USER>_PASSWORD``."""
+    return re.sub(r"[^A-Za-z0-9]", "_", user).upper() + "_PASSWORD"
+
+
+def _conf_list(subjects: Iterable[str]) -> str:
+    items = "".join(f'            "{s}",\n' for s in dict.fromkeys(subjects))
+    return f"[\n{items}          ]"
+
+
+def render_nats_user(role: str, worker_id: str | None = None) -> str:
+    """One entry of the configuration's ``users`` list."""
+    user = nats_user(role, worker_id)
+    perms = role_permissions(role, worker_id)
+    publish = f"          allow: {_conf_list(perms.publish)}\n"
+    if perms.publish_deny:
+        publish += f"          deny: {_conf_list(perms.publish_deny)}\n"
+    return (
+        f"    {{ user: {user}, password: ${password_variable(user)}, permissions: {{\n"
+        f"        publish: {{\n{publish}        }}\n"
+        f"        subscribe: {{\n          allow: {_conf_list(perms.subscribe)}\n        }}\n"
+        f"    }} }}\n"
+    )
+
+
+NATS_ROLES: Final = ("router", "stats", "reaper", "gateway", "client", "jobs")
+
+
+def render_nats_conf(workers: Iterable[str], web_workers: Iterable[str]) -> str:
+    """The whole server configuration: JetStream, and one user per role and worker."""
+    template = (DEPLOY_DIR / "nats" / "nats-server.conf.in").read_text()
+    users = [f"    {{ user: admin, password: ${password_variable('admin')} }}\n"]
+    users += [render_nats_user(role) for role in NATS_ROLES]
+    users += [render_nats_user("worker", w) for w in workers]
+    users += [render_nats_user("web-search", w) for w in web_workers]
+    return template.replace("@USERS@\n", "".join(users))
+
+
+# Who the committed deploy/nats/nats-server.conf is rendered for (docker-compose.yml's fleet).
+EXAMPLE_WORKERS: Final = ("cpu1",)
+EXAMPLE_WEB_WORKERS: Final = ("search1",)

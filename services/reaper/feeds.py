@@ -1,0 +1,203 @@
+"""What keeps the reaper's view up to date (DESIGN: the reaper never queries Postgres).
+
+A KV watch of ``workers`` and ``asleep``, and an ordered consumer on ``EVENTS`` that starts
+``REAPER_LOOKBACK_S`` back, so a restarted reaper (``kill -9`` included) rebuilds what is under
+way from the log before it judges anything. Each look also samples the consumer info of the
+queues that hold open tasks and of every live worker's own consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+from contextlib import suppress
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from schemas.events import (
+    TaskCompleted,
+    TaskFailed,
+    TaskRouted,
+    TaskStarted,
+    TaskSubmitted,
+    WorkerRegistered,
+    WorkerStopped,
+    any_event_decoder,
+)
+from schemas.subjects import (
+    EVENTS_STREAM,
+    EVENTS_SUBJECTS,
+    TASKS_STREAM,
+    queue_consumer,
+    worker_consumer,
+)
+from schemas.workers import worker_record_decoder
+from services.fleet.liveness import live
+from services.reaper.view import ConsumerSample, ReaperView
+from services.runtime.lifecycle import TaskSet
+from services.runtime.settings import ReaperSettings
+from services.runtime.watch import RECONNECT_CHECK_S, follow_bucket, reconnects
+
+log = structlog.get_logger("reaper")
+
+# How long the start waits for the event log to be read back before looking anyway.
+CATCH_UP_S = 60.0
+# Idle heartbeat of the event log's ordered consumer: a lost consumer is noticed within two.
+EVENTS_HEARTBEAT_S = 2.0
+
+
+class Feeds:
+    """Folds the registry, the sleepers, the event log and consumer samples into ``view``."""
+
+    def __init__(
+        self, nc: Client, js: JetStreamContext, view: ReaperView, settings: ReaperSettings
+    ) -> None:
+        self.nc = nc
+        self.js = js
+        self.view = view
+        self.settings = settings
+        self._last_seq = 0
+        self._events_sub: JetStreamContext.PushSubscription | None = None
+
+    async def start(self, workers: KeyValue, asleep: KeyValue, tasks: TaskSet) -> None:
+        """Follow both buckets and the event log (in ``tasks``); return once they are read."""
+        ready = [asyncio.Event(), asyncio.Event()]
+        tasks.spawn(
+            follow_bucket(self.nc, workers, self._on_worker, ready[0]), name="watch-workers"
+        )
+        tasks.spawn(follow_bucket(self.nc, asleep, self._on_asleep, ready[1]), name="watch-asleep")
+        since = datetime.datetime.fromtimestamp(
+            time.time() - self.settings.reaper_lookback_s, tz=datetime.UTC
+        )
+        self._events_sub = await self._follow_events(
+            ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)
+        )
+        tasks.spawn(self._refollow_events(), name="refollow-events")
+        await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), timeout=10)
+        await self._catch_up()
+
+    async def stop(self) -> None:
+        """Stop following the event log (the bucket watches end with their tasks)."""
+        if self._events_sub is not None:
+            with suppress(Exception):
+                await self._events_sub.unsubscribe()
+
+    async def _catch_up(self) -> None:
+        """Wait until every event up to now has been folded into the view."""
+        assert self._events_sub is not None
+        deadline = time.monotonic() + CATCH_UP_S
+        while time.monotonic() < deadline:
+            try:
+                info = await self._events_sub.consumer_info()
+            except Exception as exc:
+                log.warning("reading the event log back: no consumer info yet", error=repr(exc))
+            else:
+                delivered = info.delivered.stream_seq if info.delivered else 0
+                if not info.num_pending and self._last_seq >= delivered:
+                    return
+            await asyncio.sleep(0.05)
+        log.warning("the event log was not read back in time; looking anyway", after_s=CATCH_UP_S)
+
+    async def _follow_events(self, config: ConsumerConfig) -> JetStreamContext.PushSubscription:
+        """An ordered consumer on ``EVENTS`` feeding `_on_event`."""
+        return await self.js.subscribe(
+            EVENTS_SUBJECTS,
+            stream=EVENTS_STREAM,
+            cb=self._on_event,
+            ordered_consumer=True,
+            idle_heartbeat=EVENTS_HEARTBEAT_S,
+            config=config,
+        )
+
+    async def _refollow_events(self) -> None:
+        """After a reconnect, follow the event log again from the last event seen: the server
+        may have restarted and dropped the ordered consumer, which the client would notice
+        only after missing two idle heartbeats. A replayed event changes nothing (fencing)."""
+        seen = reconnects(self.nc)
+        while True:
+            await asyncio.sleep(RECONNECT_CHECK_S)
+            if reconnects(self.nc) == seen or not self.nc.is_connected:
+                continue
+            try:
+                fresh = await self._follow_events(
+                    ConsumerConfig(
+                        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                        opt_start_seq=self._last_seq + 1,
+                    )
+                )
+            except Exception as exc:
+                log.warning("following the event log again failed; retrying", error=repr(exc))
+                continue
+            seen = reconnects(self.nc)
+            stale, self._events_sub = self._events_sub, fresh
+            if stale is not None:
+                with suppress(Exception):
+                    await stale.unsubscribe()
+            log.info("following the event log again after a reconnect", from_seq=self._last_seq + 1)
+
+    def _on_worker(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.view.remove_worker(entry.key)
+        else:
+            self.view.put_worker(worker_record_decoder.decode(entry.value))
+
+    def _on_asleep(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.view.asleep.discard(entry.key)
+        else:
+            self.view.asleep.add(entry.key)
+
+    async def _on_event(self, msg: Msg) -> None:
+        self._last_seq = max(self._last_seq, msg.metadata.sequence.stream)
+        try:
+            event = any_event_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        match event:
+            case TaskSubmitted() | TaskRouted() | TaskStarted() | TaskCompleted() | TaskFailed():
+                self.view.apply(event)
+            case WorkerRegistered():
+                self.view.seen(event.worker_id, event.instance_id, event.host, event.at)
+            case WorkerStopped():
+                self.view.stopped(event.worker_id, event.instance_id)
+            case _:
+                pass  # not the reaper's business
+
+    async def sample(self, now: float) -> None:
+        """Consumer info of every queue holding an open task and of every live worker."""
+        names = {
+            queue_consumer(t.queue)
+            for t in self.view.tasks.values()
+            if t.status == "queued" and t.queue is not None
+        }
+        alive = live(self.view.workers.values(), now, self.settings.worker_ttl_s)
+        names.update(worker_consumer(w.worker_id) for w in alive)
+        samples = await asyncio.gather(*(self._consumer(name) for name in sorted(names)))
+        for name, (ok, sample) in zip(sorted(names), samples, strict=True):
+            if ok:
+                self.view.observe(name, sample, now)
+
+    async def _consumer(self, name: str) -> tuple[bool, ConsumerSample | None]:
+        """(True, sample), (True, None) when it does not exist, (False, None) when unknown."""
+        try:
+            info = await self.js.consumer_info(TASKS_STREAM, name)
+        except NotFoundError:
+            return True, None
+        except Exception as exc:
+            log.warning("consumer info failed", consumer=name, error=repr(exc))
+            return False, None
+        return True, ConsumerSample(
+            num_pending=info.num_pending or 0,
+            num_ack_pending=info.num_ack_pending or 0,
+            num_waiting=info.num_waiting or 0,
+            delivered_seq=info.delivered.stream_seq if info.delivered else 0,
+            ack_floor_seq=info.ack_floor.stream_seq if info.ack_floor else 0,
+        )

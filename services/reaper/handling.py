@@ -1,0 +1,170 @@
+"""What the reaper does about its findings: decide, then carry the decisions out.
+
+Each action is keyed by (task, attempt) and not repeated for `ACT_RETRY_S`, the time its own
+events take to come back; if they never do (the write failed), it is tried again. Before
+acting, the task is read back once more: one that ended or moved on meanwhile is left alone.
+A duplicate worker is reported (an event and an error log) at most every `DUPLICATE_REPEAT_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterable
+
+import structlog
+from nats.js import JetStreamContext
+
+from services.reaper.actions import Actions, QueueIndex, SubmissionLost, copies_up_to, queue_index
+from services.reaper.decisions import Fail, Move, decide
+from services.reaper.detectors import DuplicateFinding, TaskFinding
+from services.reaper.view import ReaperView, TaskTrack
+from services.runtime.outcomes import current_attempt, stored_outcome
+from services.runtime.settings import ReaperSettings
+
+log = structlog.get_logger("reaper")
+
+# How long an action's own events get to come back before it is tried again.
+ACT_RETRY_S = 15.0
+# A duplicate that persists is reported again this often (event and error log).
+DUPLICATE_REPEAT_S = 30.0
+# Actions carried out at once (each is a handful of round trips to the server).
+PARALLEL_ACTIONS = 8
+
+
+class FindingHandler:
+    """Acts on findings against ``view``, and counts what it did (moved, failed, duplicates)."""
+
+    def __init__(self, js: JetStreamContext, view: ReaperView, settings: ReaperSettings) -> None:
+        self.js = js
+        self.view = view
+        self.settings = settings
+        self.actions = Actions(js)
+        self._acted: dict[tuple[str, int], float] = {}
+        self._reported: dict[str, float] = {}
+        self.moved = 0
+        self.failed = 0
+        self.duplicates = 0
+
+    def forget_old(self, now: float) -> None:
+        """Let actions older than `ACT_RETRY_S` be tried again, if still needed."""
+        self._acted = {k: at for k, at in self._acted.items() if now - at < ACT_RETRY_S}
+
+    async def report(self, finding: DuplicateFinding, now: float) -> None:
+        """Log and record a duplicate worker, unless it was reported lately."""
+        if now - self._reported.get(finding.worker_id, float("-inf")) < DUPLICATE_REPEAT_S:
+            return
+        log.error(
+            "duplicate worker",
+            worker_id=finding.worker_id,
+            detail=finding.detail,
+            num_waiting=finding.num_waiting,
+            instances=list(finding.instances),
+            hosts=list(finding.hosts),
+        )
+        try:
+            await self.actions.report_duplicate(finding)
+        except Exception as exc:
+            log.warning("could not record the duplicate", error=repr(exc))
+            return
+        self._reported[finding.worker_id] = now
+        self.duplicates += 1
+
+    async def act(self, findings: Iterable[TaskFinding], now: float) -> None:
+        """Decide for every finding (routing one after the other, so moved tasks spread out),
+        then carry the decisions out a few at a time."""
+        depth = self.view.depth()
+        plans: list[tuple[TaskFinding, TaskTrack, Move | Fail]] = []
+        for finding in findings:
+            key = (finding.task_id, finding.attempt)
+            task = self.view.tasks.get(finding.task_id)
+            if key in self._acted or task is None:
+                continue
+            plan = decide(
+                finding,
+                task,
+                self.view.workers.values(),
+                now=now,
+                ttl_s=self.settings.worker_ttl_s,
+                max_attempts=self.settings.max_attempts,
+                gpu_models=self.settings.gpu_models,
+                depth=depth,
+            )
+            if isinstance(plan, Move):
+                depth[plan.decision.worker_id] = depth.get(plan.decision.worker_id, 0) + 1
+            self._acted[key] = now
+            plans.append((finding, task, plan))
+        if not plans:
+            return
+        queues = sorted({t.queue for _, t, _ in plans if t.queue is not None})
+        indexes = dict(
+            zip(
+                queues,
+                await asyncio.gather(*(queue_index(self.js, q) for q in queues)),
+                strict=True,
+            )
+        )
+        limit = asyncio.Semaphore(PARALLEL_ACTIONS)
+
+        async def limited(work: Awaitable[None]) -> None:
+            async with limit:
+                await work
+
+        await asyncio.gather(*(limited(self._carry_out(f, t, p, indexes)) for f, t, p in plans))
+
+    async def _carry_out(
+        self,
+        finding: TaskFinding,
+        task: TaskTrack,
+        plan: Move | Fail,
+        indexes: dict[str, QueueIndex],
+    ) -> None:
+        bound = log.bind(
+            task_id=task.task_id,
+            attempt=task.attempt,
+            reason=finding.reason,
+            worker=finding.worker,
+            detail=finding.detail,
+        )
+        try:
+            if await self._settled(task):
+                bound.info("task settled meanwhile; nothing to do")
+                return
+            index = indexes.get(task.queue or "", {})
+            copies = copies_up_to(index, task.task_id, task.attempt)
+            if isinstance(plan, Move):
+                try:
+                    await self.actions.move(plan, copies)
+                except SubmissionLost as exc:
+                    plan = Fail(
+                        task.task_id, max(task.attempt, 1), finding.worker, exc.code, exc.message
+                    )
+                else:
+                    self.moved += 1
+                    bound.warning(
+                        "task moved",
+                        new_attempt=plan.attempt,
+                        to_worker=plan.decision.worker_id,
+                        queue=plan.decision.queue,
+                        removed_copies=len(copies),
+                    )
+                    return
+            await self.actions.fail(plan, copies)
+            self.failed += 1
+            bound.error(
+                "task failed by the reaper",
+                failed_attempt=plan.attempt,
+                code=plan.code,
+                error=plan.reason,
+                removed_copies=len(copies),
+            )
+        except Exception as exc:
+            # Tried again once `ACT_RETRY_S` has passed, if the task still needs it then.
+            bound.warning("action failed", error=repr(exc))
+
+    async def _settled(self, task: TaskTrack) -> bool:
+        """Has the task ended, or moved on, since the view last heard (events in transit)?"""
+        after = task.attempt + 1 if task.status == "retry" else task.attempt
+        if await stored_outcome(self.js, task.task_id, max(after, 1)) is not None:
+            return True
+        current = await current_attempt(self.js, task.task_id)
+        return current is not None and current > task.attempt

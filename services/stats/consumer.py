@@ -1,0 +1,254 @@
+"""The live projection: the durable ``stats`` consumer's batches applied to PostgreSQL.
+
+Delivery is at least once and the store applies each stream position once, so the rule is
+simple: ack only after the batch's transaction has committed. When PostgreSQL is away the
+batch is nak'ed with a delay and fetching pauses with a growing backoff; nothing is acked that
+was not stored. A message that is not a known event is terminated (logged), so it never blocks
+the stream; an event PostgreSQL can never store is found by applying the batch one event at a
+time, and terminated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, suppress
+from dataclasses import dataclass
+from typing import Final
+
+import msgspec
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from opentelemetry import trace
+
+from schemas.events import AnyEvent, any_event_decoder, kind_of
+from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS, STATS_CONSUMER
+from services.runtime.errors import Unavailable
+from services.runtime.tracing import extract_context, spans_recorded
+from services.stats.rows import FigureKey
+from services.stats.store import Store, Unstorable
+
+log = structlog.get_logger("stats")
+tracer = trace.get_tracer("coordinator.stats")
+
+# An idle fetch returns after this long, which bounds how late a stop is noticed.
+FETCH_TIMEOUT_S: Final = 1.0
+# After a batch that did not fill up, events are left to gather this long before the next
+# fetch: under load a batch then holds several tasks' events (one transaction, one pull)
+# instead of one or two. An idle stream still gets its next event projected at once.
+GATHER_S: Final = 0.02
+# Redelivery delay for events not stored because PostgreSQL was away.
+NAK_DELAY_S: Final = 1.0
+# Pauses between attempts while PostgreSQL (or the bus) is away: 1, 2, 4, 5, 5… seconds.
+BACKOFF_FIRST_S: Final = 1.0
+BACKOFF_MAX_S: Final = 5.0
+
+
+def consumer_config(*, max_ack_pending: int = 1000, ack_wait_s: float = 30.0) -> ConsumerConfig:
+    """The durable ``stats`` consumer: every event from the start, acked one by one."""
+    return ConsumerConfig(
+        durable_name=STATS_CONSUMER,
+        description="stats projection into PostgreSQL",
+        filter_subject=EVENTS_SUBJECTS,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_ack_pending=max_ack_pending,
+    )
+
+
+@dataclass
+class Counters:
+    """What the projection did, for the summary line at stop."""
+
+    projected: int = 0
+    duplicates: int = 0
+    terminated: int = 0
+    retried: int = 0
+
+
+class ProjectionConsumer:
+    """Fetches batches from the durable consumer, applies each in one transaction, then acks.
+
+    ``touched`` is told the figure keys each stored batch may have changed. ``batch_lock`` is
+    held while a batch is applied; a rebuild holds it from its catch-up to the swap.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        store: Store,
+        *,
+        batch_size: int,
+        stopping: asyncio.Event,
+        touched: Callable[[set[FigureKey]], None],
+    ) -> None:
+        self.js = js
+        self.store = store
+        self.batch_size = batch_size
+        self.counters = Counters()
+        self.batch_lock = asyncio.Lock()
+        self._stopping = stopping
+        self._touched = touched
+        self._batch_started_ns = 0
+
+    async def ensure_consumer(self) -> None:
+        """Create the durable consumer, or bring an existing one to this configuration."""
+        await self.js.add_consumer(EVENTS_STREAM, consumer_config())
+
+    async def run(self, sub: JetStreamContext.PullSubscription) -> None:
+        """Fetch and apply batches until stopped; trouble pauses the loop, never ends it."""
+        backoff_s = BACKOFF_FIRST_S
+        while not self._stopping.is_set():
+            try:
+                msgs = await sub.fetch(self.batch_size, timeout=FETCH_TIMEOUT_S)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue  # idle
+            except Exception as exc:
+                # Reconnecting, or the consumer was deleted under us: recreate it and go on.
+                log.warning("fetching events failed", error=repr(exc))
+                await self._pause(backoff_s)
+                backoff_s = min(backoff_s * 2, BACKOFF_MAX_S)
+                with suppress(Exception):
+                    await self.ensure_consumer()
+                continue
+            async with self.batch_lock:
+                stored = await self._apply_batch(msgs)
+            if stored:
+                backoff_s = BACKOFF_FIRST_S
+                if len(msgs) < self.batch_size:
+                    await self._pause(GATHER_S)
+            else:
+                await self._pause(backoff_s)
+                backoff_s = min(backoff_s * 2, BACKOFF_MAX_S)
+
+    async def _apply_batch(self, msgs: list[Msg]) -> bool:
+        """Apply ``msgs`` in one transaction; False when PostgreSQL failed (all nak'ed)."""
+        self._batch_started_ns = time.time_ns()
+        decoded: list[tuple[Msg, int, AnyEvent]] = []
+        for msg in msgs:
+            seq = msg.metadata.sequence.stream
+            try:
+                decoded.append((msg, seq, any_event_decoder.decode(msg.data)))
+            except msgspec.DecodeError as exc:
+                with structlog.contextvars.bound_contextvars(subject=msg.subject, stream_seq=seq):
+                    log.error("undecodable event; terminated", error=str(exc))
+                self.counters.terminated += 1
+                with suppress(Exception):
+                    await msg.term()
+        if not decoded:
+            return True
+        try:
+            projected = await self.store.apply_batch([(seq, event) for _, seq, event in decoded])
+        except Unavailable as exc:
+            log.warning(
+                "database unavailable; events will be redelivered",
+                error=exc.message,
+                nak_count=len(decoded),
+            )
+            self.counters.retried += len(decoded)
+            for msg, _, _ in decoded:
+                with suppress(Exception):
+                    await msg.nak(delay=NAK_DELAY_S)
+            return False
+        except Exception as exc:
+            # One event PostgreSQL cannot store, or a bug: find it by going one by one.
+            log.warning("batch not applied; applying its events one by one", error=repr(exc))
+            return await self._apply_each(decoded)
+        for msg, seq, event in decoded:
+            await self._ack(msg, seq, event, applied=seq in projected.fresh)
+        self._touched(projected.touched)
+        log.info(
+            "batch projected",
+            events=len(decoded),
+            fresh=len(projected.fresh),
+            first_seq=decoded[0][1],
+            last_seq=decoded[-1][1],
+        )
+        return True
+
+    async def _apply_each(self, decoded: list[tuple[Msg, int, AnyEvent]]) -> bool:
+        for index, (msg, seq, event) in enumerate(decoded):
+            with _bound(msg, seq, event):
+                try:
+                    projected = await self.store.apply_batch([(seq, event)])
+                except Unstorable as exc:
+                    log.error("event cannot be stored; terminated", error=exc.message)
+                    self.counters.terminated += 1
+                    with suppress(Exception):
+                        await msg.term()
+                    continue
+                except Unavailable as exc:
+                    rest = decoded[index:]
+                    log.warning(
+                        "database unavailable; events will be redelivered",
+                        error=exc.message,
+                        nak_count=len(rest),
+                    )
+                    self.counters.retried += len(rest)
+                    for pending, _, _ in rest:
+                        with suppress(Exception):
+                            await pending.nak(delay=NAK_DELAY_S)
+                    return False
+                except Exception:
+                    # A bug, not the database: set this one event aside for a while, go on.
+                    log.exception("projecting an event failed")
+                    self.counters.retried += 1
+                    with suppress(Exception):
+                        await msg.nak(delay=BACKOFF_MAX_S)
+                    continue
+            await self._ack(msg, seq, event, applied=bool(projected.applied))
+            self._touched(projected.touched)
+        return True
+
+    async def _ack(self, msg: Msg, seq: int, event: AnyEvent, *, applied: bool) -> None:
+        """Ack a committed event, with its one (debug) log line, in a ``project event`` span
+        that continues the trace the event carries (from the batch's start to its ack); no span
+        when spans are not recorded (nothing exports them): this runs for every event."""
+        if not spans_recorded():
+            await self._ack_one(msg, seq, event, applied=applied)
+            return
+        with tracer.start_as_current_span(
+            "project event",
+            context=extract_context(msg.headers),
+            start_time=self._batch_started_ns,
+            kind=trace.SpanKind.CONSUMER,
+            attributes={"messaging.destination.name": msg.subject, "stream_seq": seq},
+        ):
+            await self._ack_one(msg, seq, event, applied=applied)
+
+    async def _ack_one(self, msg: Msg, seq: int, event: AnyEvent, *, applied: bool) -> None:
+        try:
+            await msg.ack()
+        except Exception as exc:
+            # Committed already: a redelivery will be recognised and acked then.
+            with _bound(msg, seq, event):
+                log.warning("ack failed after commit", error=repr(exc))
+        if applied:
+            self.counters.projected += 1
+        else:
+            self.counters.duplicates += 1
+        log.debug(
+            "event projected",
+            kind=kind_of(event),
+            duplicate=not applied,
+            subject=msg.subject,
+            stream_seq=seq,
+            task_id=getattr(event, "task_id", None),
+        )
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less if a stop is requested."""
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+
+
+def _bound(msg: Msg, seq: int, event: AnyEvent) -> AbstractContextManager[None]:
+    """The log context of one message: subject, stream position, task id when it has one."""
+    return structlog.contextvars.bound_contextvars(
+        subject=msg.subject, stream_seq=seq, task_id=getattr(event, "task_id", None)
+    )
