@@ -30,6 +30,7 @@ from services.runtime.errors import (
     NotFound,
     NoWorker,
     PromptTooLarge,
+    RebuildBusy,
     TooLarge,
     Unavailable,
     Unsupported,
@@ -285,7 +286,7 @@ _REFUSAL_STATUS: Final = {
     WorkerUnavailable.code: 503,
     Unavailable.code: 503,
     NoResponder.code: 503,
-    "busy": 503,  # the stats service's rebuild in progress (services.stats.rebuild)
+    RebuildBusy.code: 503,
     WaitTimeout.code: 504,
 }
 _FAILURE_STATUS: Final = {

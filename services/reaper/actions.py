@@ -43,7 +43,7 @@ from schemas.tasks import TaskMessage, work_of
 from services.reaper.decisions import Fail, Move
 from services.reaper.detectors import DuplicateFinding
 from services.runtime.bus import publish_event
-from services.runtime.errors import CoordinatorError
+from services.runtime.errors import SubmissionLost
 from services.runtime.outcomes import last_on, store_outcome
 
 log = structlog.get_logger("reaper")
@@ -63,12 +63,6 @@ MSG_DELETE_FAILED = 10057
 
 QueueIndex = dict[str, list[tuple[int, int]]]
 """task id -> [(stream sequence, attempt)] of its messages on one queue."""
-
-
-class SubmissionLost(CoordinatorError):
-    """The task's ``submitted`` event is not in the log any more: it cannot be rebuilt."""
-
-    code = "submission_lost"
 
 
 def routed_msg_id(task_id: str, attempt: int) -> str:

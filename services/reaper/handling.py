@@ -14,10 +14,11 @@ from collections.abc import Awaitable, Iterable
 import structlog
 from nats.js import JetStreamContext
 
-from services.reaper.actions import Actions, QueueIndex, SubmissionLost, copies_up_to, queue_index
+from services.reaper.actions import Actions, QueueIndex, copies_up_to, queue_index
 from services.reaper.decisions import Fail, Move, decide
 from services.reaper.detectors import DuplicateFinding, TaskFinding
 from services.reaper.view import ReaperView, TaskTrack
+from services.runtime.errors import SubmissionLost
 from services.runtime.outcomes import current_attempt, stored_outcome
 from services.runtime.settings import ReaperSettings
 

@@ -12,9 +12,8 @@ The codes of failures recorded in ``failed`` events (``wake_timeout``, ``too_man
 ...) are classes here too, so that a code read back from a reply is the same catalogue entry
 whether it was raised or recorded.
 
-A service's own error class defined in its own module (the stats service's ``conflict``, say)
-registers when that module is imported; until then `from_code` gives a `RemoteError` with the
-same code, which is all a client branches on.
+Every class with a code lives here, so the catalogue is whole in any process that imports this
+module (a client never needs the service's code to map a reply back).
 """
 
 from __future__ import annotations
@@ -247,3 +246,33 @@ class LeaseLost(CoordinatorError):
     """Another process took this worker id's registration while this one held it."""
 
     code = "lease_lost"
+
+
+class RebuildBusy(CoordinatorError):
+    """A rebuild of the statistics is running already."""
+
+    code = "busy"
+
+
+class JudgeUnavailable(CoordinatorError):
+    """Neither judge host answers (or serves the judge model)."""
+
+    code = "judge_unavailable"
+
+
+class Unstorable(CoordinatorError):
+    """This event's data can never be stored (for example text PostgreSQL refuses)."""
+
+    code = "unstorable"
+
+
+class Conflict(CoordinatorError):
+    """The change asked for contradicts the state (an exclusion already withdrawn)."""
+
+    code = "conflict"
+
+
+class SubmissionLost(CoordinatorError):
+    """The task's ``submitted`` event is not in the log any more: it cannot be rebuilt."""
+
+    code = "submission_lost"

@@ -27,10 +27,10 @@ from opentelemetry import trace
 
 from schemas.events import AnyEvent, any_event_decoder, kind_of
 from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS, STATS_CONSUMER
-from services.runtime.errors import Unavailable
+from services.runtime.errors import Unavailable, Unstorable
 from services.runtime.tracing import extract_context, spans_recorded
 from services.stats.rows import FigureKey
-from services.stats.store import Store, Unstorable
+from services.stats.store import Store
 
 log = structlog.get_logger("stats")
 tracer = trace.get_tracer("coordinator.stats")

@@ -59,9 +59,9 @@ from schemas.subjects import (
 from services.fleet.aliases import check_alias
 from services.runtime.bus import publish_event
 from services.runtime.endpoints import Handler
-from services.runtime.errors import CoordinatorError, NotFound, Unavailable
+from services.runtime.errors import Conflict, NotFound, RebuildBusy, Unavailable
 from services.stats.publisher import FigurePublisher
-from services.stats.rebuild import RebuildBusy, rebuild
+from services.stats.rebuild import rebuild
 from services.stats.requests import check_exclusion, decode_request, new_id, parse_task_query
 from services.stats.store import Store
 
@@ -71,10 +71,6 @@ log = structlog.get_logger("stats")
 PROJECTED_WAIT_S: Final = 5.0
 
 T = TypeVar("T")
-
-
-class Conflict(CoordinatorError):
-    code = "conflict"
 
 
 class StatsEndpoints:

@@ -39,7 +39,7 @@ from services.runtime.errors import (
     BackendTimeout,
     BackendUnavailable,
     ConfigError,
-    CoordinatorError,
+    JudgeUnavailable,
     Unavailable,
 )
 from services.runtime.settings import Settings
@@ -71,12 +71,6 @@ class JudgeSettings(Settings, frozen=True, kw_only=True):
             raise ConfigError(f"BATCH_LIMIT={self.batch_limit} must be at least 1")
         if self.judge_timeout_s <= 0:
             raise ConfigError("JUDGE_TIMEOUT_S must be a positive number of seconds")
-
-
-class JudgeUnavailable(CoordinatorError):
-    """Neither judge host answers (or serves the judge model)."""
-
-    code = "judge_unavailable"
 
 
 @dataclass

@@ -51,11 +51,11 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas.events import AnyEvent, any_event_decoder
 from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS
-from services.runtime.errors import CoordinatorError, Unavailable
+from services.runtime.errors import RebuildBusy, Unavailable, Unstorable
 from services.stats.figure_rows import refresh_figures
 from services.stats.projector import project
 from services.stats.rows import PROJECTION_LOCK, PROJECTION_TABLES, Connection
-from services.stats.store import SCHEMA_PATH, Unstorable, database_errors, redact_dsn
+from services.stats.store import SCHEMA_PATH, database_errors, redact_dsn
 
 log = structlog.get_logger("stats.rebuild")
 
@@ -67,10 +67,6 @@ REBUILD_LOCK: Final = 7_301_003
 BATCH_SIZE: Final = 2000
 # How long the replay waits for the next message before deciding the stream has no more.
 IDLE_S: Final = 5.0
-
-
-class RebuildBusy(CoordinatorError):
-    code = "busy"
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from schemas.events import AnyEvent
 from schemas.queries import TaskView
 from schemas.stats import AliasView, ExclusionView, FigureView, StatsQuery
 from services.fleet.aliases import resolve
-from services.runtime.errors import CoordinatorError, Unavailable
+from services.runtime.errors import Unavailable, Unstorable
 from services.stats.figure_rows import FIGURE_COLUMNS, NOT_EXCLUDED, refresh_figures
 from services.stats.projection import TaskState, to_view
 from services.stats.projector import Projected, load_aliases, project
@@ -67,12 +67,6 @@ _UNSCORED: Final = (
     "AND NOT EXISTS (SELECT 1 FROM quality q WHERE q.task_id = t.task_id) "
     "ORDER BY t.ended_at, t.task_id LIMIT $1"
 )
-
-
-class Unstorable(CoordinatorError):
-    """This event's data can never be stored (for example text PostgreSQL refuses)."""
-
-    code = "unstorable"
 
 
 class Store:
