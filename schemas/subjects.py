@@ -50,6 +50,14 @@ ALIAS_REMOVE: Final = "coordinator.stats.alias.remove"
 ALIASES: Final = "coordinator.stats.aliases"
 
 STATS_BUCKET: Final = "stats"
+# Streamed answers: a worker publishes a task's chunks on
+# ``coordinator.chunk.<its worker id>.<task id>`` (its NATS user may publish under its own id
+# only); the router, which holds the client's reply subject, passes on those of the worker the
+# attempt runs on. No worker ever publishes to a client's inbox.
+CHUNKS: Final = "coordinator.chunk.*.*"
+# Every NATS user gets replies on inboxes of its own (``_INBOX_<user>.…``) and may subscribe to
+# those only: nobody reads another's replies.
+INBOX: Final = "_INBOX"
 
 SHARED_CPU_QUEUE: Final = "tasks.cpu.shared"
 WEB_QUEUE: Final = "tasks.web"
@@ -67,7 +75,8 @@ WEB_CONSUMER: Final = "web"
 STATS_CONSUMER: Final = "stats"
 _WORKER_CONSUMER_PREFIX: Final = "worker-"
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# fullmatch: with match and "$", a trailing newline would pass ("$" matches before it).
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class InvalidId(ValueError):
@@ -86,7 +95,7 @@ class InvalidId(ValueError):
 
 def check_token(kind: str, value: str) -> str:
     """Return ``value`` if it is safe as a single subject token, else raise `InvalidId`."""
-    if not _TOKEN.match(value):
+    if not _TOKEN.fullmatch(value):
         raise InvalidId(kind, value)
     return value
 
@@ -112,6 +121,29 @@ def worker_queue_filter(worker_id: str) -> str:
 def task_event(task_id: str, kind: str) -> str:
     """``events.task.<task_id>.<kind>``: one subject per task makes its history one read."""
     return f"events.task.{check_token('task id', task_id)}.{check_token('event kind', kind)}"
+
+
+def chunk_subject(worker_id: str, task_id: str) -> str:
+    """``coordinator.chunk.<worker_id>.<task_id>``: where a worker streams a task's answer."""
+    return (
+        f"coordinator.chunk.{check_token('worker id', worker_id)}.{check_token('task id', task_id)}"
+    )
+
+
+def chunk_source(subject: str) -> tuple[str, str] | None:
+    """The (worker id, task id) of a chunk subject; None for any other subject."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[:2] != ["coordinator", "chunk"]:
+        return None
+    return parts[2], parts[3]
+
+
+def inbox_prefix(user: str | None) -> str:
+    """The inbox prefix of a NATS user (``_INBOX_<user>``; ``_INBOX`` without a user): the
+    services connect with it and the server configuration lets each user read only its own."""
+    if user is None:
+        return INBOX
+    return f"{INBOX}_{check_token('NATS user', user)}"
 
 
 def cancel_notice(task_id: str) -> str:

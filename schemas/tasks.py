@@ -85,7 +85,8 @@ class TaskMessage(Wire, frozen=True, kw_only=True):
     timeout_s: float
     stream: bool = False
     stream_subject: str | None = None
-    """Where the worker publishes `StreamChunk`s as they arrive (core NATS, not stored)."""
+    """No longer set: a streaming task (``stream``) has its chunks published on
+    `schemas.subjects.chunk_subject` and the router passes them on. Kept for old messages."""
     submitted_at: float
     messages: list[ChatMessage] | None = None
     """A conversation for the backend's chat API; ``prompt`` holds it as text."""

@@ -193,7 +193,7 @@ def register(sub: Any) -> None:
         "doctor",
         help="check NATS, streams, consumers, PostgreSQL, workers and service units",
         description="One line per check; exit 1 when one found a problem. Reads NATS_URL (or "
-        "the stack `coordinator up` recorded), the NATS_* credentials (use the admin user) and "
+        "the stack `coordinator up` recorded), the NATS_* credentials (use the operator user) and "
         "PG_DSN.",
     )
     doctor.add_argument(

@@ -16,6 +16,7 @@ from schemas.subjects import ASLEEP_BUCKET, STATS_BUCKET, TASKS_STREAM, WORKERS_
 from services.cli.roles import MICRO_SERVICES, PER_WORKER
 from services.fleet.liveness import is_fresh
 from services.runtime.settings import (
+    DEFAULT_ACK_WAIT_S,
     GatewaySettings,
     NatsAuth,
     Settings,
@@ -31,8 +32,9 @@ async def setup_streams(
     events_max_age_s: float,
     auth: NatsAuth | None = None,
 ) -> None:
-    """Create or update every stream and bucket (needs a user that may: ``admin``)."""
+    """Create or update every stream, bucket and pool consumer (the ``operator`` user may)."""
     from services.runtime.bus import connect, ensure_bucket, ensure_streams
+    from services.runtime.consumers import POOLS, ensure_consumer
 
     nc = await connect(nats_url, "coordinator-setup", auth=auth)
     try:
@@ -40,6 +42,8 @@ async def setup_streams(
         await ensure_streams(js, worker_ttl_s=worker_ttl_s, events_max_age_s=events_max_age_s)
         await ensure_bucket(js, STATS_BUCKET, ttl_s=None)
         await ensure_bucket(js, ASLEEP_BUCKET, ttl_s=None)
+        for pool in POOLS:  # workers may pull from these, not make or change them
+            await ensure_consumer(js, pool, ack_wait_s=DEFAULT_ACK_WAIT_S)
     finally:
         await nc.close()
 

@@ -14,24 +14,28 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from schemas.subjects import (
+    ALIASES,
     ASLEEP_BUCKET,
+    CANCEL,
+    CHUNKS,
     EVENTS_STREAM,
     REAPER_SERVICE,
     REAPER_STATUS,
     ROUTE,
     SHARED_CONSUMER,
-    SHARED_CPU_QUEUE,
     STATS,
+    STATS_BASELINES,
     STATS_BUCKET,
     STATS_CONSUMER,
+    STATS_EXCLUSIONS,
     TASK,
     TASKS_STREAM,
     WEB_CONSUMER,
-    WEB_QUEUE,
     WORKERS,
     WORKERS_BUCKET,
     InvalidId,
     check_worker_id,
+    inbox_prefix,
     worker_consumer,
     worker_queue_filter,
 )
@@ -46,6 +50,9 @@ class Permissions:
     publish: list[str] = field(default_factory=list)
     subscribe: list[str] = field(default_factory=list)
     publish_deny: list[str] = field(default_factory=list)
+    # May answer the requests it receives (their reply subjects, and nothing else of anyone's
+    # inbox): the number of replies to one request, 0 for none.
+    responses: int = 0
 
 
 def _api(*suffixes: str) -> list[str]:
@@ -60,8 +67,19 @@ def _kv(bucket: str) -> str:
     return f"KV_{bucket}"
 
 
-# What every service does: JetStream API replies and request replies arrive on inboxes.
-_INBOX: Final = "_INBOX.>"
+# Replies to a service's requests (JetStream's API included) arrive on its own inboxes
+# (``_INBOX_<user>.…``, `inbox_prefix`), which no other user may read.
+def _own_inbox(user: str) -> str:
+    return f"{inbox_prefix(user)}.>"
+
+
+# A service answers each request once (micro services, the stats endpoints); the router also
+# passes on a streamed answer's chunks to the request's reply subject.
+ONE_REPLY: Final = 1
+STREAM_REPLIES: Final = 100_000
+# How long a service may answer a request it received: the longest a route request waits
+# (a task's timeout, a sleeping worker's wake, the margin) is well inside it.
+RESPONSES_EXPIRE: Final = "2h"
 # Reading a KV bucket whole (watch, keys) is an ordered consumer on its stream.
 _KV_WATCH = [
     *(f"$JS.API.CONSUMER.CREATE.{_kv(b)}" for b in (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET)),
@@ -92,8 +110,13 @@ _REGISTRY_READS = [
 _MICRO = ["$SRV.>"]
 
 
+# What a client may ask the stats service: figures, and the lists behind them.
+_STATS_READS = [STATS, STATS_EXCLUSIONS, STATS_BASELINES, ALIASES]
+
+
 def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
     """What one role's NATS user may do. ``worker_id`` for ``worker`` and ``web-search``."""
+    user = nats_user(role, worker_id)
     if role in PER_WORKER:
         if worker_id is None:
             raise ConfigError(f"role {role} needs a worker id")
@@ -107,9 +130,9 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
         return Permissions(
             publish=[
                 *_stream_info(TASKS_STREAM, EVENTS_STREAM, _kv(WORKERS_BUCKET), _kv(ASLEEP_BUCKET)),
-                # Its own consumer, only with its own queues as the filter; the shared CPU pool.
+                # Its own consumer, only with its own queues as the filter. The shared CPU
+                # pool's consumer is made by `coordinator setup`: a worker only pulls from it.
                 f"$JS.API.CONSUMER.CREATE.{TASKS_STREAM}.{own}.{queues}",
-                f"$JS.API.CONSUMER.CREATE.{TASKS_STREAM}.{SHARED_CONSUMER}.{SHARED_CPU_QUEUE}",
                 *(
                     f"$JS.API.CONSUMER.{verb}.{TASKS_STREAM}.{name}"
                     for verb in ("INFO", "MSG.NEXT")
@@ -124,19 +147,19 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 *_REGISTRY_READS,
                 *_OUTCOME_READS,
                 *_ALIASES,
-                # Streamed answers go to the client's reply inbox.
-                _INBOX,
+                # Streamed answers, for the router to pass on (never a client's inbox).
+                f"coordinator.chunk.{worker_id}.*",
             ],
             # The stats service's durable consumer on EVENTS must not be re-filtered.
             publish_deny=[f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.{STATS_CONSUMER}.>"],
-            subscribe=[_INBOX, "coordinator.cancel.*"],
+            subscribe=[_own_inbox(user), "coordinator.cancel.*"],
         )
     if role == "web-search":
         assert worker_id is not None
         return Permissions(
             publish=[
                 *_stream_info(TASKS_STREAM, EVENTS_STREAM, _kv(WORKERS_BUCKET)),
-                f"$JS.API.CONSUMER.CREATE.{TASKS_STREAM}.{WEB_CONSUMER}.{WEB_QUEUE}",
+                # The pool's consumer is made by `coordinator setup`: only pulled from here.
                 f"$JS.API.CONSUMER.INFO.{TASKS_STREAM}.{WEB_CONSUMER}",
                 f"$JS.API.CONSUMER.MSG.NEXT.{TASKS_STREAM}.{WEB_CONSUMER}",
                 f"$JS.ACK.{TASKS_STREAM}.{WEB_CONSUMER}.>",
@@ -145,9 +168,8 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 f"$KV.{WORKERS_BUCKET}.{worker_id}",
                 *_REGISTRY_READS,
                 *_OUTCOME_READS,
-                _INBOX,
             ],
-            subscribe=[_INBOX, "coordinator.cancel.*"],
+            subscribe=[_own_inbox(user), "coordinator.cancel.*"],
         )
     if role == "router":
         return Permissions(
@@ -165,17 +187,19 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 "$SRV.PING.coordinator-router",
                 # Whether a reaper runs decides who moves a retryable failure on.
                 f"$SRV.PING.{REAPER_SERVICE}",
-                _INBOX,
             ],
             subscribe=[
-                _INBOX,
+                _own_inbox(user),
                 *_MICRO,
                 ROUTE,
                 WORKERS,
                 "coordinator.cancel",
                 "events.task.>",
                 "events.worker.*.duplicate",
+                # Streamed answers, passed on to the client that asked (router/relay.py).
+                CHUNKS,
             ],
+            responses=STREAM_REPLIES,
         )
     if role == "stats":
         return Permissions(
@@ -194,9 +218,9 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 f"$KV.{STATS_BUCKET}.>",
                 *_KV_WATCH,
                 "$SRV.PING.coordinator-stats",
-                _INBOX,
             ],
-            subscribe=[_INBOX, *_MICRO, TASK, STATS, "coordinator.stats.>"],
+            subscribe=[_own_inbox(user), *_MICRO, TASK, STATS, "coordinator.stats.>"],
+            responses=ONE_REPLY,
         )
     if role == "reaper":
         # Watches the registry, the consumers and the task events; re-routes or fails tasks.
@@ -225,20 +249,36 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 *_KV_WATCH,
                 *_ALIASES,
                 f"$SRV.PING.{REAPER_SERVICE}",  # its health check
-                _INBOX,
             ],
-            subscribe=[_INBOX, *_MICRO, REAPER_STATUS, "events.task.>", "events.worker.>"],
+            subscribe=[
+                _own_inbox(user),
+                *_MICRO,
+                REAPER_STATUS,
+                "events.task.>",
+                "events.worker.>",
+            ],
+            responses=ONE_REPLY,
         )
     if role == "gateway":
         return Permissions(
-            publish=[ROUTE, TASK, WORKERS, STATS, "coordinator.cancel"],
-            subscribe=[_INBOX, *_MICRO],
+            publish=[ROUTE, TASK, WORKERS, STATS, CANCEL],
+            subscribe=[_own_inbox(user), *_MICRO],
+            responses=ONE_REPLY,  # its health PING
         )
     if role == "client":
-        # People's commands (ask, task, workers, stats, alias): requests only.
+        # People's commands: ask, look a task up, cancel, read the fleet and the figures.
+        # Changing fleet-wide state (aliases, exclusions, rebuilds) is the operator's.
         return Permissions(
-            publish=[ROUTE, TASK, WORKERS, STATS, "coordinator.stats.>", "coordinator.cancel"],
-            subscribe=[_INBOX],
+            publish=[ROUTE, TASK, WORKERS, CANCEL, *_STATS_READS],
+            subscribe=[_own_inbox(user)],
+        )
+    if role == "operator":
+        # Setup (streams, buckets, the pools' consumers), the doctor, health checks, aliases,
+        # exclusions and rebuilds: everything a person running the fleet does, on the API.
+        # Its inbox is its own like everyone's; it cannot publish events or tasks.
+        return Permissions(
+            publish=["$JS.API.>", "$SRV.>", "$JS.FC.>", "coordinator.>"],
+            subscribe=[_own_inbox(user)],
         )
     if role == "jobs":
         # judge and bench: requests, their own events, and reading events by subject.
@@ -247,14 +287,15 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 ROUTE,
                 WORKERS,
                 STATS,
-                "coordinator.stats.>",
+                STATS_BASELINES,
                 *_stream_info(EVENTS_STREAM),
-                f"$JS.API.STREAM.MSG.GET.{EVENTS_STREAM}",
-                f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.>",
+                # By subject, and never a prompt: a bench run's answers, the judge's scores.
+                f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.task.*.completed",
+                f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.quality.>",
                 "events.quality.>",
                 "events.bench.>",
             ],
-            subscribe=[_INBOX],
+            subscribe=[_own_inbox(user)],
         )
     raise ConfigError(f"unknown role {role!r}")
 
@@ -285,15 +326,21 @@ def render_nats_user(role: str, worker_id: str | None = None) -> str:
     publish = f"          allow: {_conf_list(perms.publish)}\n"
     if perms.publish_deny:
         publish += f"          deny: {_conf_list(perms.publish_deny)}\n"
+    responses = (
+        f'        allow_responses: {{ max: {perms.responses}, expires: "{RESPONSES_EXPIRE}" }}\n'
+        if perms.responses
+        else ""
+    )
     return (
         f"    {{ user: {user}, password: ${password_variable(user)}, permissions: {{\n"
         f"        publish: {{\n{publish}        }}\n"
         f"        subscribe: {{\n          allow: {_conf_list(perms.subscribe)}\n        }}\n"
+        f"{responses}"
         f"    }} }}\n"
     )
 
 
-NATS_ROLES: Final = ("router", "stats", "reaper", "gateway", "client", "jobs")
+NATS_ROLES: Final = ("router", "stats", "reaper", "gateway", "client", "jobs", "operator")
 
 
 def render_nats_conf(workers: Iterable[str], web_workers: Iterable[str]) -> str:

@@ -51,7 +51,6 @@ def task_message(task: Submission, routed_seq: int) -> TaskMessage:
         model=request.model,
         timeout_s=task.timeout_s,
         stream=request.stream,
-        stream_subject=task.stream_subject,
         submitted_at=task.submitted_at,
         **work_of(request),
         routed_seq=routed_seq,

@@ -39,6 +39,7 @@ from schemas.route import CHUNK_HEADER, CancelReply, CancelRequest, RouteRequest
 from schemas.subjects import (
     ASLEEP_BUCKET,
     CANCEL,
+    CHUNKS,
     ROUTE,
     STATS_BUCKET,
     WORKERS,
@@ -55,6 +56,7 @@ from services.router.ending import wait_for_end
 from services.router.listing import Problems, workers_reply
 from services.router.reaper_watch import ReaperWatch
 from services.router.records import outcome_reply, queued_reply
+from services.router.relay import ChunkRelay
 from services.router.requests import Admitted, admit, new_task_id, parse_cancel_request
 from services.router.submit import submit
 from services.router.view import Figure, FleetView
@@ -125,6 +127,8 @@ class Router:
         self.problems = Problems()
         self._event_subs: list[Subscription] = []
         self._problems_sub: Subscription | None = None
+        self._chunk_sub: Subscription | None = None
+        self.relay = ChunkRelay(nc, self.view.inflight)
         self._service: Service | None = None
 
     async def start(self) -> None:
@@ -141,6 +145,7 @@ class Router:
         self._problems_sub = await self.nc.subscribe(
             "events.worker.*.duplicate", cb=self._on_duplicate
         )
+        self._chunk_sub = await self.nc.subscribe(CHUNKS, cb=self.relay.on_chunk)
         ready = [asyncio.Event(), asyncio.Event(), asyncio.Event()]
         self.tasks.spawn(self._watch(workers, self._on_worker, ready[0]), name="watch-workers")
         self.tasks.spawn(self._watch(figures, self._on_figure, ready[1]), name="watch-stats")
@@ -161,7 +166,7 @@ class Router:
     async def stop(self) -> None:
         if self._service is not None:
             await self._service.stop()
-        for sub in (*self._event_subs, self._problems_sub):
+        for sub in (*self._event_subs, self._problems_sub, self._chunk_sub):
             if sub is not None:
                 with suppress(Exception):
                     await sub.unsubscribe()
@@ -310,6 +315,8 @@ class Router:
             tracking.waiting_on = reply_subject.get()
             if tracking.waiting_on:
                 self._waiting_on[tracking.waiting_on] = task.task_id
+        if task.stream_subject:
+            self.relay.open(task.task_id, task.stream_subject)
         try:
             yield tracking
         finally:
@@ -320,6 +327,7 @@ class Router:
                 tracking.waiter.close()
             self._waiters.pop(task.task_id, None)
             self._waiting_on.pop(tracking.waiting_on, None)
+            self.relay.close(task.task_id)
 
     async def _submit(self, task: Submission, tracking: _Tracking) -> int:
         """Queue the task (a stream first learns its id) and wake the sleeping worker it goes

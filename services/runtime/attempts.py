@@ -11,6 +11,7 @@ from nats.aio.client import Client
 
 from schemas.events import Durations, TaskCompleted, TaskFailed
 from schemas.route import CHUNK_HEADER, StreamChunk, ToolCall
+from schemas.subjects import chunk_subject
 from schemas.tasks import TaskMessage
 from services.backends import OnChunk
 from services.runtime.errors import Cancelled, TooLarge
@@ -69,11 +70,13 @@ def cancelled(
     )
 
 
-def chunk_publisher(nc: Client, task: TaskMessage, claimed: asyncio.Future[bool]) -> OnChunk:
-    """Publish each piece to the task's stream subject (core NATS: a lost chunk is only a gap
-    on the screen; the whole answer is in the outcome event), once the attempt's claim is
-    stored: a stale copy sends nothing."""
-    subject = task.stream_subject or ""
+def chunk_publisher(
+    nc: Client, task: TaskMessage, claimed: asyncio.Future[bool], worker_id: str
+) -> OnChunk:
+    """Publish each piece on this worker's chunk subject for the task, for the router to pass
+    on (core NATS: a lost chunk is only a gap on the screen; the whole answer is in the
+    outcome event), once the attempt's claim is stored: a stale copy sends nothing."""
+    subject = chunk_subject(worker_id, task.task_id)
     seq = 0
 
     async def publish(

@@ -4,7 +4,7 @@ Stream setup is idempotent: every service calls `ensure_streams` at start, so wh
 first creates them and a changed setting (say, the events' max age) is applied on the next
 start. It looks before it writes (``STREAM.INFO`` first), so a service whose NATS user may not
 create or change streams (deploy/nats/nats-server.conf: they are made by ``coordinator setup``
-with the admin user) starts as long as they exist. Only features of nats-server 2.9 are needed;
+with the operator user) starts as long as they exist. Only features of nats-server 2.9 are needed;
 `fences_by_subject` tells when a 2.11 feature saves a round trip.
 """
 
@@ -38,6 +38,8 @@ from schemas.subjects import (
     TASKS_STREAM,
     TASKS_SUBJECTS,
     WORKERS_BUCKET,
+    InvalidId,
+    inbox_prefix,
 )
 from services.runtime.errors import ConfigError, StopRequested, Unavailable
 from services.runtime.lifecycle import current_stop
@@ -215,7 +217,11 @@ def _why(exc: BaseException, timeout_s: float) -> str:
 
 
 def _auth_options(auth: NatsAuth) -> dict[str, Any]:
-    options: dict[str, Any] = {}
+    try:
+        prefix = auth.inbox_prefix or inbox_prefix(auth.user)
+    except InvalidId as exc:
+        raise ConfigError(f"{exc}; set NATS_INBOX_PREFIX for this user") from None
+    options: dict[str, Any] = {"inbox_prefix": prefix}
     if auth.user is not None:
         options.update(user=auth.user, password=auth.password)
     if auth.token is not None:
@@ -254,7 +260,7 @@ async def _add_or_update(
         except nats.errors.TimeoutError as exc:
             raise Unavailable(
                 f"stream {config.name} does not exist and could not be created (this NATS "
-                "user may not create streams?): run `coordinator setup` with the admin user"
+                "user may not create streams?): run `coordinator setup` with the operator user"
             ) from exc
         return
     current = info.config
@@ -269,7 +275,7 @@ async def _add_or_update(
         # No answer: this user may not change streams. Run with what is there.
         log.warning(
             "stream differs from this service's settings and could not be updated; "
-            "run `coordinator setup` with the admin user",
+            "run `coordinator setup` with the operator user",
             stream=config.name,
             fields=differs,
         )
@@ -330,7 +336,7 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, *, ttl_s: float | Non
         except nats.errors.TimeoutError as exc:
             raise Unavailable(
                 f"bucket {bucket} does not exist and could not be created (this NATS user may "
-                "not create streams?): run `coordinator setup` with the admin user"
+                "not create streams?): run `coordinator setup` with the operator user"
             ) from exc
     stream_config = dataclasses.replace(info.config)
     if _norm(stream_config.max_age) != _norm(ttl_s):
@@ -343,7 +349,7 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, *, ttl_s: float | Non
         except nats.errors.TimeoutError:
             log.warning(
                 "bucket TTL differs from this service's settings and could not be changed; "
-                "run `coordinator setup` with the admin user",
+                "run `coordinator setup` with the operator user",
                 bucket=bucket,
                 ttl_s=ttl_s,
                 bucket_ttl_s=info.config.max_age,

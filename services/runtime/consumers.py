@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 
-from schemas.subjects import TASKS_STREAM
+from schemas.subjects import (
+    SHARED_CONSUMER,
+    SHARED_CPU_QUEUE,
+    TASKS_STREAM,
+    WEB_CONSUMER,
+    WEB_QUEUE,
+)
 
 log = structlog.get_logger("consumers")
 
@@ -27,10 +34,33 @@ class Queue:
     checked: bool = False
 
 
+# The pools several workers share. `coordinator setup` makes their consumers, so a worker's
+# NATS user needs no right to create (or reconfigure) them; without setup, the first worker
+# to bind makes one.
+CPU_POOL: Final = Queue(SHARED_CONSUMER, SHARED_CPU_QUEUE, 1_000, checked=True)
+# Each web worker holds at most one task (or two for a moment, when a pull's message arrives
+# just after the pull gave up), so this allows dozens of them.
+WEB_POOL: Final = Queue(WEB_CONSUMER, WEB_QUEUE, 64)
+POOLS: Final = (CPU_POOL, WEB_POOL)
+
+
 async def bind(
     js: JetStreamContext, queue: Queue, ack_wait_s: float
 ) -> JetStreamContext.PullSubscription:
-    """Create (or find) the queue's consumer and bind to it."""
+    """Bind to the queue's consumer as it is; make it first if it does not exist.
+
+    An existing consumer is never changed here: a worker cannot reconfigure a pool that
+    others pull from (its ack wait, its limits).
+    """
+    try:
+        await js.consumer_info(TASKS_STREAM, queue.consumer)
+    except NotFoundError:
+        await ensure_consumer(js, queue, ack_wait_s)
+    return await js.pull_subscribe_bind(durable=queue.consumer, stream=TASKS_STREAM)
+
+
+async def ensure_consumer(js: JetStreamContext, queue: Queue, ack_wait_s: float) -> None:
+    """Create the queue's consumer (kept as it is when it exists with other settings)."""
     config = ConsumerConfig(
         # With a name, the create request names the filter in its subject
         # ($JS.API.CONSUMER.CREATE.TASKS.<name>.<filter>), which NATS permissions can pin.
@@ -52,4 +82,3 @@ async def bind(
             consumer=queue.consumer,
             error=str(exc),
         )
-    return await js.pull_subscribe_bind(durable=queue.consumer, stream=TASKS_STREAM)

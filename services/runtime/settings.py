@@ -30,6 +30,8 @@ LogFormat = Literal["auto", "json", "console"]
 # (benchmarks/failover.py); a slower fleet raises both together.
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_WORKER_TTL_S = 3.0
+# How long a pulled task's message waits for its ack (or an in_progress) before redelivery.
+DEFAULT_ACK_WAIT_S = 30.0
 
 
 def default_worker_id() -> str:
@@ -53,6 +55,7 @@ class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    inbox_prefix: str | None = None
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -71,6 +74,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     nats_tls_cert: str | None = None
     nats_tls_key: str | None = None
     """A client certificate and its key (PEM), for a server that verifies clients."""
+    nats_inbox_prefix: str | None = None
+    """Where this process's replies arrive; by default ``_INBOX_<NATS_USER>`` (``_INBOX``
+    without a user), which the shipped server configuration lets only that user read."""
     log_level: str = "info"
     log_format: LogFormat = "auto"
 
@@ -118,6 +124,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             tls_ca=self.nats_tls_ca,
             tls_cert=self.nats_tls_cert,
             tls_key=self.nats_tls_key,
+            inbox_prefix=self.nats_inbox_prefix,
         )
 
 
@@ -149,7 +156,7 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
     sanity_timeout_s: float = 120.0
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     worker_ttl_s: float = DEFAULT_WORKER_TTL_S
-    ack_wait_s: float = 30.0
+    ack_wait_s: float = DEFAULT_ACK_WAIT_S
     backend_connect_timeout_s: float = 5.0
     stop_grace_s: float = 30.0
     # Idle shutdown, for machines woken by Wake-on-LAN: off unless IDLE_SHUTDOWN_SEC is set.
@@ -203,7 +210,7 @@ class WebSearchSettings(Settings, frozen=True, kw_only=True):
     worker_host: str = msgspec.field(default_factory=socket.gethostname)
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     worker_ttl_s: float = DEFAULT_WORKER_TTL_S
-    ack_wait_s: float = 30.0
+    ack_wait_s: float = DEFAULT_ACK_WAIT_S
     backend_connect_timeout_s: float = 5.0
     stop_grace_s: float = 30.0
 

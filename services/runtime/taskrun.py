@@ -162,7 +162,11 @@ class TaskRunner:
         bound: FilteringBoundLogger,
     ) -> TaskCompleted | TaskFailed:
         """The kind's work on a claimed task, kept alive, stoppable by a cancel notice."""
-        on_chunk = chunk_publisher(self.nc, task, claimed) if task.stream_subject else None
+        on_chunk = (
+            chunk_publisher(self.nc, task, claimed, self.settings.worker_id)
+            if task.stream
+            else None
+        )
         started = time.perf_counter()
         if task.task_id in self._cancels or refused(claimed):
             return cancelled(

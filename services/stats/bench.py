@@ -46,7 +46,7 @@ from schemas.models import COMPLETION, facts_in
 from schemas.queries import WorkersReply
 from schemas.route import RouteReply, RouteRequest, failure_of
 from schemas.stats import BaselinesQuery, BaselinesReply
-from schemas.subjects import EVENTS_STREAM, ROUTE, STATS_BASELINES, WORKERS, task_event
+from schemas.subjects import ROUTE, STATS_BASELINES, WORKERS, task_event
 from services.fleet.domains import classify_domain
 from services.runtime.bus import publish_event
 from services.runtime.errors import (
@@ -56,6 +56,7 @@ from services.runtime.errors import (
     NoWorker,
     WaitTimeout,
 )
+from services.runtime.outcomes import last_on
 from services.runtime.request import call
 from services.stats.baseline import Comparison, PromptBaseline, Sample, compare
 
@@ -350,8 +351,11 @@ class Bench:
     async def _durations(self, task_id: str, wall_ms: float) -> tuple[float, float | None]:
         """The backend's own durations from the task's ``completed`` event."""
         try:
-            stored = await self.js.get_last_msg(EVENTS_STREAM, task_event(task_id, "completed"))
-            event = task_event_decoder.decode(stored.data or b"")
+            # By subject (a direct get): the jobs' user reads only these events, no prompt.
+            stored = await last_on(self.js, task_event(task_id, "completed"))
+            if stored is None:
+                raise nats.js.errors.NotFoundError
+            event = task_event_decoder.decode(stored)
         except (nats.js.errors.Error, msgspec.DecodeError) as exc:
             self.report.notes.append(f"task {task_id}: wall-clock time used ({exc!r})")
             return wall_ms, None

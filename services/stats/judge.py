@@ -42,6 +42,7 @@ from services.runtime.errors import (
     JudgeUnavailable,
     Unavailable,
 )
+from services.runtime.outcomes import last_on
 from services.runtime.settings import Settings
 from services.stats.projection import TaskState
 from services.stats.store import Store
@@ -233,12 +234,10 @@ class Judge:
 
     async def _scored_in_stream(self, task_id: str) -> bool:
         try:
-            await self.js.get_last_msg(EVENTS_STREAM, quality_event(task_id, "scored"))
-        except nats.js.errors.NotFoundError:
-            return False
+            # By subject (a direct get): the jobs' user reads only these events, no prompt.
+            return await last_on(self.js, quality_event(task_id, "scored")) is not None
         except Exception as exc:
             raise Unavailable(f"cannot read {EVENTS_STREAM}: {exc!r}") from exc
-        return True
 
     async def _record(self, event: QualityScored) -> bool:
         """Store the verdict unless the task has one; False when it had."""

@@ -30,14 +30,13 @@ from nats.aio.client import Client
 
 from schemas.events import Durations, TaskCompleted, TaskFailed, Tokens
 from schemas.models import ModelFacts
-from schemas.subjects import WEB_CONSUMER, WEB_QUEUE
 from schemas.tasks import TaskMessage
 from schemas.workers import Capability
 from services import __version__
 from services.backends import Backend, Generation
 from services.backends.choose import make_backend
 from services.runtime.bus import connect
-from services.runtime.consumers import Queue
+from services.runtime.consumers import WEB_POOL, Queue
 from services.runtime.errors import BackendError, BackendTimeout, SearchError, WorkerStopping
 from services.runtime.settings import WebSearchSettings
 from services.runtime.taskkind import Attempt, LoopSettings
@@ -56,9 +55,6 @@ log = structlog.get_logger("web_search")
 
 T = TypeVar("T")
 
-# Tasks in flight across all web workers together; each worker holds at most one (or two for a
-# moment, when a pull's message arrives just after the pull gave up), so this allows dozens.
-WEB_MAX_ACK_PENDING = 64
 # Once a stop's grace period is over, how long the current task gets to record what it has
 # (the failure of an unfinished search, or the results without their summary).
 WRAP_UP_S = 5.0
@@ -89,7 +85,7 @@ class WebSearch:
         return []
 
     def queues(self) -> list[Queue]:
-        return [Queue(WEB_CONSUMER, WEB_QUEUE, WEB_MAX_ACK_PENDING)]
+        return [WEB_POOL]
 
     async def prepare(self, stop: asyncio.Event) -> None:
         """Nothing to learn: the dependencies were checked (and logged) at start."""

@@ -20,13 +20,13 @@ from opentelemetry import trace
 
 from schemas.events import Durations, TaskCompleted, TaskFailed
 from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing
-from schemas.subjects import SHARED_CONSUMER, SHARED_CPU_QUEUE, worker_consumer, worker_queue_filter
+from schemas.subjects import worker_consumer, worker_queue_filter
 from schemas.tasks import TaskMessage, needs_of
 from services.backends import Backend, Embedding, Generation, OnChunk, Progress
 from services.backends.choose import make_backend
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import connect
-from services.runtime.consumers import Queue
+from services.runtime.consumers import CPU_POOL, Queue
 from services.runtime.errors import BackendError, BackendUnavailable, ConfigError
 from services.runtime.settings import WorkerSettings
 from services.runtime.sleep import SleepPolicy
@@ -38,9 +38,6 @@ tracer = trace.get_tracer("coordinator.worker")
 
 # A prompt any model can answer quickly; it only has to come back without an error.
 SANITY_PROMPT = "Reply with the single word OK."
-# The shared CPU queue's pool: the one-at-a-time rule per worker is kept by the task loop,
-# which holds at most one message from all its queues together.
-SHARED_MAX_ACK_PENDING = 1_000
 
 
 class Inference:
@@ -172,7 +169,7 @@ class Inference:
         own = Queue(worker_consumer(worker_id), worker_queue_filter(worker_id), 1)
         if not self.settings.shared_queue or "cpu_inference" not in self.supports:
             return [own]
-        return [own, Queue(SHARED_CONSUMER, SHARED_CPU_QUEUE, SHARED_MAX_ACK_PENDING, True)]
+        return [own, CPU_POOL]
 
     async def prepare(self, stop: asyncio.Event) -> None:
         """Follow the aliases, learn the models and their facts, keep those that pass."""

@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.events import ALIAS_EVENTS, AliasSet, ExclusionAdded
-from schemas.subjects import EVENTS_STREAM, ROUTE, TASK, TASKS_STREAM
+from schemas.subjects import EVENTS_STREAM, ROUTE, TASK, TASKS_STREAM, inbox_prefix
 from services.cli.health import check_health, setup_streams
 from services.cli.permissions import (
     EXAMPLE_WEB_WORKERS,
@@ -85,7 +85,11 @@ class Violations:
 
 
 async def connect_as(server: NatsServer, user: str, errors: Violations | None = None) -> Client:
-    options: dict[str, Any] = {"user": user, "password": password(user)}
+    options: dict[str, Any] = {
+        "user": user,
+        "password": password(user),
+        "inbox_prefix": inbox_prefix(user),
+    }
     if errors is not None:
         options["error_cb"] = errors.record
     return await nats.connect(server.url, **options)
@@ -267,7 +271,7 @@ async def test_services_look_streams_up_and_only_setup_makes_or_changes_them(
 ) -> None:
     worker = await connect_as(secured, f"worker-{WORKER}")
     try:
-        with pytest.raises(Unavailable, match="run `coordinator setup` with the admin user"):
+        with pytest.raises(Unavailable, match="run `coordinator setup` with the operator user"):
             await ensure_streams(worker.jetstream(timeout=1.0))
         admin_auth = NatsAuth(user="admin", password=password("admin"))
         await setup_streams(

@@ -9,7 +9,8 @@ from nats.aio.client import Client
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
-from schemas.route import RouteReply, StreamChunk
+from schemas.route import CHUNK_HEADER, RouteReply, StreamChunk
+from schemas.subjects import chunk_subject
 from services.runtime.request import stream_call
 from tests.harness import (
     ServiceRunner,
@@ -103,3 +104,37 @@ async def test_ask_stream_prints_the_answer(
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "2"
+
+
+async def test_a_chunk_from_a_worker_the_task_does_not_run_on_never_reaches_the_client(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """Workers stream on ``coordinator.chunk.<own id>.<task>`` and the router passes on only
+    the chunks of the worker the task was routed to: a forged one is dropped."""
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    ollama.chunk_delay_s = 0.05
+    body = msgspec.json.encode({"prompt": "tell me a long story", "model": "qwen2.5:0.5b"})
+    body = body[:-1] + b',"stream":true}'
+    chunks: list[StreamChunk] = []
+    final = b""
+    async for item in stream_call(nc, "coordinator.route", body, timeout_s=20):
+        if isinstance(item, bytes):
+            final = item
+            continue
+        chunks.append(item)
+        if item.seq == 1:  # the real stream has begun: forge a piece under another worker
+            forged = StreamChunk(task_id=item.task_id, seq=2, response="FORGED")
+            for sender in ("cpu-2", "shared"):
+                await nc.publish(
+                    chunk_subject(sender, item.task_id),
+                    msgspec.json.encode(forged),
+                    headers={CHUNK_HEADER: "2"},
+                )
+    reply = msgspec.json.decode(final, type=RouteReply)
+
+    assert reply.status == "done" and reply.worker == "cpu-1"
+    assert "FORGED" not in "".join(c.response for c in chunks)
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert "".join(c.response for c in chunks) == reply.response

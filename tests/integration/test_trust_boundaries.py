@@ -1,0 +1,192 @@
+"""Each role against the shipped NATS configuration, trying what it must not do: read another
+user's replies, inject a reply or a streamed piece, reconfigure a pool, change fleet-wide
+state, read prompts from the event log. Every attempt is refused by the server; what the role
+is there for still works."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig
+
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
+from schemas.route import StreamChunk
+from schemas.subjects import (
+    ALIAS_ADD,
+    ALIASES,
+    EVENTS_STREAM,
+    ROUTE,
+    SHARED_CONSUMER,
+    STATS_EXCLUDE,
+    STATS_REBUILD,
+    TASKS_STREAM,
+    chunk_subject,
+)
+from services.runtime.request import stream_call
+from tests.harness import ServiceRunner, request, workers_live
+from tests.integration.test_nats_permissions import (
+    WORKER,
+    Violations,
+    admin,
+    connect_as,
+    password,
+    secured,
+)
+
+__all__ = ["admin", "secured"]  # fixtures, used by name
+
+MODEL = "qwen2.5:0.5b"
+
+
+async def refused(nc: Client, errors: Violations, subject: str) -> bool:
+    """Did the server report a permissions violation naming ``subject``?"""
+    await nc.flush()
+    for _ in range(20):
+        if errors.about(subject):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_nobody_reads_another_users_replies(secured: NatsServer, admin: Client) -> None:
+    errors = Violations()
+    nc = await connect_as(secured, "client", errors)
+    try:
+        for other in ("_INBOX.>", "_INBOX_gateway.>", "_INBOX_router.>", ">"):
+            await nc.subscribe(other)
+            assert await refused(nc, errors, f'subscription to "{other}"'), (other, errors.seen)
+        # Its own inbox works: a request gets its answer.
+
+        async def answer(msg: Msg) -> None:
+            await msg.respond(b'{"workers": []}')
+
+        await admin.subscribe("coordinator.workers", cb=answer)
+        await admin.flush()
+        body, _ = await request(nc, "coordinator.workers", {}, timeout_s=2.0)
+        assert body == {"workers": []}
+    finally:
+        await nc.close()
+
+
+async def test_a_worker_cannot_inject_a_reply_or_a_streamed_piece_nor_reconfigure_a_pool(
+    secured: NatsServer, admin: Client
+) -> None:
+    errors = Violations()
+    nc = await connect_as(secured, f"worker-{WORKER}", errors)
+    js = nc.jetstream(timeout=1.0)
+    try:
+        await nc.publish("_INBOX_client.abc.1", b"INJECTED")
+        assert await refused(nc, errors, "_INBOX_client.abc.1")
+        await nc.publish(chunk_subject("cpu2", "t1"), b"FORGED")
+        assert await refused(nc, errors, "coordinator.chunk.cpu2.t1")
+        await nc.publish(chunk_subject(WORKER, "t1"), b"{}")  # its own: allowed
+        await nc.flush()
+        # The pools' consumers are setup's: a worker binds them as they are.
+        result = await asyncio.gather(
+            js.add_consumer(
+                TASKS_STREAM,
+                ConsumerConfig(
+                    name=SHARED_CONSUMER,
+                    durable_name=SHARED_CONSUMER,
+                    filter_subject="tasks.cpu.shared",
+                    ack_wait=1.0,
+                    max_deliver=1,
+                ),
+            ),
+            return_exceptions=True,
+        )
+        assert isinstance(result[0], Exception)
+        assert await refused(nc, errors, "$JS.API.CONSUMER.CREATE.TASKS.cpu-shared")
+        info = await admin.jetstream().consumer_info(TASKS_STREAM, SHARED_CONSUMER)
+        assert info.config.ack_wait == 30.0 and info.config.max_deliver in (None, -1)
+        assert not errors.about(f"coordinator.chunk.{WORKER}.t1")
+    finally:
+        await nc.close()
+
+
+async def test_only_the_operator_changes_fleet_wide_state(
+    secured: NatsServer, admin: Client
+) -> None:
+    errors = Violations()
+    client = await connect_as(secured, "client", errors)
+    try:
+        for subject in (ALIAS_ADD, STATS_EXCLUDE, STATS_REBUILD):
+            await client.publish(subject, b"{}")
+            assert await refused(client, errors, subject), subject
+        await client.publish(ALIASES, b"{}")  # reading the aliases is fine
+        await client.flush()
+        assert not errors.about(ALIASES + '"')
+    finally:
+        await client.close()
+    errors = Violations()
+    operator = await connect_as(secured, "operator", errors)
+    try:
+        for subject in (ALIAS_ADD, STATS_EXCLUDE, STATS_REBUILD):
+            await operator.publish(subject, b"{}")
+        await operator.publish("events.task.t1.completed", b"{}")  # but no events
+        await operator.flush()
+        await asyncio.sleep(0.2)
+        assert [e for e in errors.seen if "coordinator.stats" in e] == []
+        assert await refused(operator, errors, "events.task.t1.completed")
+    finally:
+        await operator.close()
+
+
+async def test_the_jobs_user_reads_answers_but_no_prompt(
+    secured: NatsServer, admin: Client
+) -> None:
+    errors = Violations()
+    nc = await connect_as(secured, "jobs", errors)
+    js = nc.jetstream(timeout=1.0)
+    try:
+        results = await asyncio.gather(
+            js.get_last_msg(EVENTS_STREAM, "events.task.t1.submitted", direct=True),
+            js.get_last_msg(EVENTS_STREAM, "events.task.t1.submitted"),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, Exception) for r in results), results
+        assert await refused(nc, errors, "$JS.API.DIRECT.GET.EVENTS.events.task.t1.submitted")
+        assert await refused(nc, errors, "$JS.API.STREAM.MSG.GET.EVENTS")
+    finally:
+        await nc.close()
+
+
+async def test_a_streamed_answer_reaches_its_client_through_the_router_and_nobody_else(
+    secured: NatsServer, admin: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    url = secured.url
+    runner.router(url, nats_user="router", nats_password=password("router"))
+    runner.worker(
+        url,
+        ollama.url,
+        WORKER,
+        nats_user=f"worker-{WORKER}",
+        nats_password=password(f"worker-{WORKER}"),
+    )
+    client = await connect_as(secured, "client")
+    eve_errors = Violations()
+    eve = await connect_as(secured, "gateway", eve_errors)  # another role, same machine
+    try:
+        await workers_live(client, 1)
+        await eve.subscribe("_INBOX_client.>")
+        ollama.chunk_delay_s = 0.02
+        body = msgspec.json.encode({"prompt": "tell me a story", "model": MODEL, "stream": True})
+        chunks: list[StreamChunk] = []
+        final = b""
+        async for item in stream_call(client, ROUTE, body, timeout_s=20):
+            if isinstance(item, bytes):
+                final = item
+            else:
+                chunks.append(item)
+        reply = msgspec.json.decode(final)
+        assert reply["status"] == "done" and reply["worker"] == WORKER
+        assert len(chunks) > 2
+        assert "".join(c.response for c in chunks) == reply["response"]
+        assert await refused(eve, eve_errors, 'subscription to "_INBOX_client.>"')
+    finally:
+        await eve.close()
+        await client.close()
