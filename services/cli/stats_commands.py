@@ -5,19 +5,18 @@
 ``judge`` reads the read model (``PG_DSN``) and calls the judge host directly, ``bench`` goes
 through the router like any client. All follow the CLI's exit statuses (0 success, 1 failed,
 2 usage or configuration); ``bench`` adds 3 for "all done, but a worker was slow".
+
+Reading the arguments is `stats_args`, the replies as lines `stats_format` (both pure); here
+are the parsers and the calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
-import re
 import sys
-import time
 from collections.abc import Callable, Coroutine, Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,7 +31,6 @@ from schemas.stats import (
     ExclusionsQuery,
     ExclusionsReply,
     ExclusionView,
-    FigureView,
     IncludeRequest,
     RebuildReply,
     StatsQuery,
@@ -49,6 +47,14 @@ from schemas.subjects import (
     STATS_REBUILD,
 )
 from services.cli.client import find_nats_url, open_client
+from services.cli.stats_args import model_list, positive, time_arg
+from services.cli.stats_format import (
+    aliases_lines,
+    exclusion_line,
+    exclusions_lines,
+    figures_lines,
+    rebuild_line,
+)
 from services.runtime.logging import setup_logging
 from services.runtime.request import call
 
@@ -56,59 +62,6 @@ EXIT_FAILED = 1
 
 _json = msgspec.json.Encoder()
 T = TypeVar("T")
-
-# "2h ago", or "-2h" (as --since=-2h: argparse takes a bare "-2h" for an option).
-_RELATIVE = re.compile(r"^(?:-\s*(\d+(?:\.\d+)?)\s*([smhdw])|(\d+(?:\.\d+)?)\s*([smhdw])\s+ago)$")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_time(text: str, now: float | None = None) -> float:
-    """Epoch seconds from ``text``: ``now``; ``90m ago``, ``2h ago``, ``3d ago`` (or ``-2h``);
-    epoch seconds; or ISO 8601 (``2025-06-01``, ``2025-06-01T02:00``, ``…+09:00``, ``…Z``),
-    local time when it names no zone. Raises ValueError saying what is accepted."""
-    value = text.strip()
-    current = time.time() if now is None else now
-    if value.lower() == "now":
-        return current
-    relative = _RELATIVE.match(value.lower())
-    if relative is not None:
-        amount, unit = (
-            relative.group(1) or relative.group(3),
-            relative.group(2) or relative.group(4),
-        )
-        return current - float(amount) * _UNIT_S[unit]
-    try:
-        number = float(value)
-    except ValueError:
-        pass
-    else:
-        if math.isfinite(number):
-            return number
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
-        raise ValueError(
-            f"{text!r} is not a time: use ISO 8601 (2025-06-01T02:00, local time unless a zone "
-            "is given), epoch seconds, 'now', or '30m ago' / '2h ago' / '3d ago'"
-        ) from None
-    return parsed.timestamp()
-
-
-def _time_arg(text: str) -> float:
-    try:
-        return parse_time(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
 
 
 def register(sub: Any) -> None:
@@ -134,9 +87,9 @@ def register(sub: Any) -> None:
     exclude.add_argument("--worker", required=True)
     exclude.add_argument("--model", help="only this model (default: every model)")
     exclude.add_argument(
-        "--since", required=True, type=_time_arg, help="ISO 8601, epoch seconds, or '2h ago'"
+        "--since", required=True, type=time_arg, help="ISO 8601, epoch seconds, or '2h ago'"
     )
-    exclude.add_argument("--until", type=_time_arg, help="default: open-ended")
+    exclude.add_argument("--until", type=time_arg, help="default: open-ended")
     exclude.add_argument("--reason", required=True)
     exclude.add_argument("--json", action="store_true")
     exclude.set_defaults(func=cmd_exclude)
@@ -155,7 +108,7 @@ def register(sub: Any) -> None:
     rebuild = actions.add_parser(
         "rebuild", help="replay the event log into fresh tables and swap them in"
     )
-    rebuild.add_argument("--timeout", type=_positive, default=3600.0, help="seconds to wait")
+    rebuild.add_argument("--timeout", type=positive, default=3600.0, help="seconds to wait")
     rebuild.add_argument("--json", action="store_true")
     rebuild.set_defaults(func=cmd_rebuild)
 
@@ -184,7 +137,7 @@ def register(sub: Any) -> None:
     bench = sub.add_parser("bench", help="the nightly benchmark through the router (for cron)")
     bench.add_argument("--models", help="comma-separated (default: every model served)")
     bench.add_argument("--prompts", type=Path, help="a .json list or one prompt per line")
-    bench.add_argument("--timeout", type=_positive, default=300.0, help="seconds per prompt")
+    bench.add_argument("--timeout", type=positive, default=300.0, help="seconds per prompt")
     bench.set_defaults(func=cmd_bench)
 
 
@@ -207,14 +160,6 @@ def _request(subject: str, body: msgspec.Struct | None, timeout_s: float = 30.0)
     return _run(go)
 
 
-def _when(at: float | None) -> str:
-    return "-" if at is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
-
-
-def _num(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 # -- stats ------------------------------------------------------------------------------------
 
 
@@ -231,79 +176,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def figures_table(figures: list[FigureView]) -> list[str]:
-    """``coordinator stats`` as lines: durations in ms over done tasks."""
-    header = (
-        "MODEL",
-        "DOMAIN",
-        "WORKER",
-        "N",
-        "FAIL",
-        "MEAN",
-        "P50",
-        "P95",
-        "LOAD",
-        "WARM",
-        "TOK/S",
-        "TTFT",
-        "QUALITY",
-    )
-    rows = [
-        (
-            f.model,
-            f.domain,
-            f.worker or "-",
-            str(f.count),
-            str(f.failures),
-            _num(f.mean_ms),
-            _num(f.p50_ms),
-            _num(f.p95_ms),
-            _num(f.load_ms_p50),
-            _num(f.warm_p50_ms),
-            _num(f.tokens_per_s, 1),
-            _num(f.first_token_ms_p50),
-            f"{f.quality_mean:.2f} ({f.quality_count})" if f.quality_mean is not None else "-",
-        )
-        for f in figures
-    ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for row in [header, *rows]:
-        cells = [
-            cell.ljust(widths[i]) if i < 3 else cell.rjust(widths[i]) for i, cell in enumerate(row)
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return lines
-
-
 def cmd_figures(args: argparse.Namespace) -> int:
     query = StatsQuery(model=args.model, worker=args.worker, domain=args.domain)
     body = _request(STATS, query)
     if args.json:
         print(body.decode())
         return 0
-    reply = msgspec.json.decode(body, type=StatsReply)
-    if not reply.figures:
-        print("no figures yet")
-    else:
-        for line in figures_table(reply.figures):
-            print(line)
-        print("durations in ms over done tasks: LOAD = model load p50, WARM = p50 without load")
-    if reply.active_exclusions:
-        print(
-            f"{reply.active_exclusions} active exclusion(s) leave outcomes out: "
-            "coordinator stats exclusions"
-        )
+    for line in figures_lines(msgspec.json.decode(body, type=StatsReply)):
+        print(line)
     return 0
-
-
-def _exclusion_line(view: ExclusionView) -> str:
-    window = f"{_when(view.since)} .. {_when(view.until) if view.until else 'open'}"
-    state = f", withdrawn {_when(view.withdrawn_at)}" if view.withdrawn_at else ""
-    return (
-        f"{view.exclusion_id}  worker {view.worker}  model {view.model or '*'}  {window}  "
-        f"{view.reason!r}{state}"
-    )
 
 
 def cmd_exclude(args: argparse.Namespace) -> int:
@@ -315,7 +196,7 @@ def cmd_exclude(args: argparse.Namespace) -> int:
         print(body.decode())
         return 0
     view = msgspec.json.decode(body, type=ExclusionView)
-    print(f"excluded: {_exclusion_line(view)}")
+    print(f"excluded: {exclusion_line(view)}")
     print(f"(withdraw with: coordinator stats include {view.exclusion_id})", file=sys.stderr)
     return 0
 
@@ -327,7 +208,7 @@ def cmd_include(args: argparse.Namespace) -> int:
     if args.json:
         print(body.decode())
         return 0
-    print(f"withdrawn: {_exclusion_line(msgspec.json.decode(body, type=ExclusionView))}")
+    print(f"withdrawn: {exclusion_line(msgspec.json.decode(body, type=ExclusionView))}")
     return 0
 
 
@@ -336,11 +217,8 @@ def cmd_exclusions(args: argparse.Namespace) -> int:
     if args.json:
         print(body.decode())
         return 0
-    reply = msgspec.json.decode(body, type=ExclusionsReply)
-    if not reply.exclusions:
-        print("no exclusions")
-    for view in reply.exclusions:
-        print(_exclusion_line(view))
+    for line in exclusions_lines(msgspec.json.decode(body, type=ExclusionsReply)):
+        print(line)
     return 0
 
 
@@ -350,11 +228,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     if args.json:
         print(body.decode())
         return 0
-    reply = msgspec.json.decode(body, type=RebuildReply)
-    print(
-        f"rebuilt from {reply.events} events (up to #{reply.last_seq}) in {reply.seconds:.1f} s "
-        f"({reply.events_per_s:.0f} events/s); {reply.figures} figure rows"
-    )
+    print(rebuild_line(msgspec.json.decode(body, type=RebuildReply)))
     return 0
 
 
@@ -379,11 +253,8 @@ def cmd_alias_list(args: argparse.Namespace) -> int:
     if args.json:
         print(body.decode())
         return 0
-    reply = msgspec.json.decode(body, type=AliasesReply)
-    if not reply.aliases:
-        print("no aliases")
-    for view in reply.aliases:
-        print(f"{view.alias} -> {view.canonical}  (since {_when(view.set_at)})")
+    for line in aliases_lines(msgspec.json.decode(body, type=AliasesReply)):
+        print(line)
     return 0
 
 
@@ -433,10 +304,12 @@ def cmd_judge(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from services.stats.bench import BUILTIN_PROMPTS, Bench, load_prompts, table, warnings
+    from services.stats.bench import Bench, load_prompts
+    from services.stats.bench_prompts import BUILTIN_PROMPTS
+    from services.stats.bench_report import summary, table, warnings
 
     prompts = load_prompts(args.prompts) if args.prompts else list(BUILTIN_PROMPTS)
-    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    models = model_list(args.models)
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -459,8 +332,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             warn(f"note: {note}")
         for line in warnings(report):
             warn(line)
-        done = len(report.results) - report.failed
-        say(f"bench {report.run_id}: {done} done, {report.failed} failed, {len(report.slow)} slow")
+        say(summary(report))
         return report.exit_status
 
     return _run(go)

@@ -109,9 +109,18 @@ class Lease:
         return True
 
     async def keep(self, interval_s: float) -> None:
-        """Renew every ``interval_s`` until the lease is lost (run it as a task, cancel to stop)."""
+        """Renew every ``interval_s`` until the lease is lost (run it as a task, cancel to stop).
+
+        The beats keep their period from send to send, not from an answer to the next send: a
+        slow round trip delays one beat, not every one after it. (A beat waits for the one
+        before it, since each update names the revision the last one made: over a round trip
+        longer than the interval, the period is the round trip.)
+        """
+        clock = asyncio.get_running_loop()
+        next_beat = clock.time() + interval_s
         while not self.lost.is_set():
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(max(0.0, next_beat - clock.time()))
+            next_beat = max(next_beat + interval_s, clock.time())
             try:
                 await self.renew()
             except LeaseLost as exc:

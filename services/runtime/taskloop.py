@@ -120,9 +120,17 @@ class TaskLoop:
         """Prepare the kind, take the lease, bind the queues and announce the worker."""
         s = self.settings
         self.runner.registry = await ensure_streams(self.js, worker_ttl_s=s.worker_ttl_s)
-        await self.kind.prepare(stop)
+        # The lease first: a second process with this id is refused before it puts any load
+        # on the backend (sanity runs). Until they pass, the entry lists no model, so nothing
+        # is routed here; then it is renewed at once with them.
         self.lease = Lease(self.runner.registry, s.worker_id, s.worker_ttl_s, self.record)
         await self.lease.acquire()
+        try:
+            await self.kind.prepare(stop)
+            await self.lease.renew()
+        except BaseException:
+            await self.lease.release()  # never registered: nothing to record
+            raise
         if s.sleep is not None:
             await forget_sleeping(self.js, s.worker_id)
         # Before the first task can arrive, so no cancel for a task taken here is missed.

@@ -3,7 +3,8 @@
 Pure, no I/O: ``projection`` (a task's state from its events, attempt outcomes), ``rows`` (the
 read model's tables: names, locks, row shapes), ``figures`` (KV keys and values), ``requests``
 (the endpoints' request bodies checked), ``verdict`` (the judge's rubrics and its verdicts
-read), ``baseline`` (the bench's slow-worker judgement). The domain heuristic and the alias
+read), ``baseline`` (the bench's slow-worker judgement), ``bench_prompts`` and
+``bench_report`` (the bench's prompts and its report). The domain heuristic and the alias
 rules, which the router and the workers apply too, are in `services.fleet`.
 
 I/O: ``projector`` (events applied to the tables, shared by the live projection and the

@@ -16,17 +16,17 @@ event), not the time spent queueing.
 The run is recorded as events: ``events.bench.<run_id>.started``, one ``.result`` per prompt
 and worker, ``.finished``. Exit status: 0 when every prompt was done at normal speed, 1 when
 one failed or the run could not start, 3 when all were done but some worker was slow.
+
+The pure parts are beside it: ``bench_prompts`` (the prompt set, a prompt file's text read)
+and ``bench_report`` (results, exit status, the table and warnings).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -47,22 +47,13 @@ from schemas.queries import WorkersReply
 from schemas.route import RouteReply, RouteRequest, failure_of
 from schemas.stats import BaselinesQuery, BaselinesReply
 from schemas.subjects import ROUTE, STATS_BASELINES, WORKERS, task_event
-from services.fleet.domains import classify_domain
 from services.runtime.bus import publish_event
-from services.runtime.errors import (
-    BackendTimeout,
-    ConfigError,
-    CoordinatorError,
-    NoWorker,
-    WaitTimeout,
-)
+from services.runtime.errors import ConfigError, CoordinatorError, NoWorker
 from services.runtime.outcomes import last_on
 from services.runtime.request import call
-from services.stats.baseline import Comparison, PromptBaseline, Sample, compare
-
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1
-EXIT_SLOW: Final = 3
+from services.stats.baseline import PromptBaseline, Sample, compare
+from services.stats.bench_prompts import BenchPrompt, parse_prompts
+from services.stats.bench_report import BenchReport, Result, failed_result, progress_line
 
 # Extra time a request waits beyond the task's own timeout: queueing and event delivery.
 REQUEST_MARGIN_S: Final = 60.0
@@ -70,133 +61,20 @@ REQUEST_MARGIN_S: Final = 60.0
 _encoder = msgspec.json.Encoder()
 
 
-@dataclass(frozen=True)
-class BenchPrompt:
-    name: str
-    domain: str
-    prompt: str
-
-    @property
-    def key(self) -> str:
-        """Results are compared with earlier results of the same prompt text."""
-        return hashlib.sha256(self.prompt.encode()).hexdigest()[:16]
-
-
-BUILTIN_PROMPTS: Final = (
-    BenchPrompt(
-        "code-fib",
-        "code",
-        "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
-    ),
-    BenchPrompt("math-product", "math", "What is 17*23? Answer with the number only."),
-    BenchPrompt("japanese-capital", "japanese", "日本の首都はどこですか？一文で答えてください。"),
-    BenchPrompt("general-colours", "general", "Name the three primary colours of light."),
-)
-
-
-class _PromptFileEntry(msgspec.Struct, forbid_unknown_fields=True):
-    prompt: str
-    name: str | None = None
-    domain: str | None = None
-
-
 def load_prompts(path: Path) -> list[BenchPrompt]:
-    """Prompts from a file: a ``.json`` list (of strings, or of ``{"prompt", "name"?,
-    "domain"?}``), else one prompt per non-blank line (``#`` starts a comment line).
+    """Prompts from the file ``path`` (the forms `bench_prompts.parse_prompts` reads).
 
-    A missing domain is the heuristic's. Raises `ConfigError` naming what is wrong.
+    Raises `ConfigError` naming what is wrong, an unreadable file included.
     """
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"--prompts {path}: {exc.strerror or exc}") from None
-    entries: list[_PromptFileEntry]
-    if path.suffix.lower() == ".json":
-        try:
-            raw = json.loads(text)
-            if not isinstance(raw, list):
-                raise ConfigError(f"--prompts {path}: expected a JSON list of prompts")
-            entries = [
-                _PromptFileEntry(prompt=item)
-                if isinstance(item, str)
-                else msgspec.convert(item, _PromptFileEntry)
-                for item in raw
-            ]
-        except (ValueError, msgspec.ValidationError) as exc:
-            raise ConfigError(f"--prompts {path}: {exc}") from None
-    else:
-        lines = [line.strip() for line in text.splitlines()]
-        entries = [_PromptFileEntry(prompt=line) for line in lines if line and line[0] != "#"]
-    prompts = []
-    for number, entry in enumerate(entries, start=1):
-        if not entry.prompt.strip():
-            raise ConfigError(f"--prompts {path}: prompt {number} is empty")
-        prompts.append(
-            BenchPrompt(
-                name=entry.name or f"prompt-{number}",
-                domain=entry.domain or classify_domain(entry.prompt),
-                prompt=entry.prompt,
-            )
-        )
-    if not prompts:
-        raise ConfigError(f"--prompts {path}: no prompts in the file")
-    return prompts
-
-
-@dataclass(frozen=True)
-class Result:
-    model: str
-    worker: str
-    prompt: BenchPrompt
-    ok: bool
-    total_ms: float | None = None
-    load_ms: float | None = None
-    task_id: str | None = None
-    error: str | None = None
-    """Why it failed, for people (and the ``result`` event): ``code: message`` mostly."""
-    error_code: str | None = None
-    """The code of the failure, for the program (`describe_error`)."""
-
-
-@dataclass
-class BenchReport:
-    run_id: str
-    results: list[Result] = field(default_factory=list)
-    comparisons: list[Comparison] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    """Things that did not stop the run but should be seen (no baseline, event not stored)."""
-
-    @property
-    def failed(self) -> int:
-        return sum(not r.ok for r in self.results)
-
-    @property
-    def slow(self) -> list[Comparison]:
-        return [c for c in self.comparisons if c.slow]
-
-    @property
-    def exit_status(self) -> int:
-        if self.failed:
-            return EXIT_FAILED
-        return EXIT_SLOW if self.slow else EXIT_OK
+    return parse_prompts(path, text)
 
 
 def new_run_id() -> str:
     return f"bench-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
-
-
-# Codes a progress line says as ``timed out``.
-_TIMEOUTS: Final = frozenset({BackendTimeout.code, WaitTimeout.code})
-
-
-def describe_error(code: str | None, text: str) -> str:
-    """A short reason for a progress line: ``timed out`` for timeouts, else the text."""
-    return "timed out" if code in _TIMEOUTS else text
-
-
-def _failed(model: str, worker: str, prompt: BenchPrompt, error: CoordinatorError) -> Result:
-    summary = f"{error.code}: {error.message}"
-    return Result(model, worker, prompt, ok=False, error=summary, error_code=error.code)
 
 
 class Bench:
@@ -323,7 +201,7 @@ class Bench:
                 self.nc, ROUTE, _encoder.encode(request), self.timeout_s + REQUEST_MARGIN_S
             )
         except CoordinatorError as exc:
-            return _failed(model, worker, prompt, exc)
+            return failed_result(model, worker, prompt, exc)
         wall_ms = (time.perf_counter() - started) * 1000
         reply = msgspec.json.decode(body, type=RouteReply)
         if reply.status != "done":
@@ -365,12 +243,7 @@ class Bench:
 
     async def _result(self, result: Result) -> None:
         self.report.results.append(result)
-        where = f"{result.model} ({result.worker or '-'})"
-        if result.ok:
-            self.say(f"done {result.total_ms or 0:.0f}ms {where} [{result.prompt.name}]")
-        else:
-            reason = describe_error(result.error_code, result.error or "failed")
-            self.say(f"error - {where} {reason} [{result.prompt.name}]")
+        self.say(progress_line(result))
         index = self._index
         self._index += 1
         await self._record(
@@ -398,43 +271,3 @@ class Bench:
             await publish_event(self.js, event, msg_id=msg_id)
         except Exception as exc:
             self.report.notes.append(f"could not record a bench event: {exc!r}")
-
-
-def table(report: BenchReport) -> list[str]:
-    """The summary table, one line per model and worker."""
-    rows: dict[tuple[str, str], list[Result]] = {}
-    for result in report.results:
-        rows.setdefault((result.model, result.worker), []).append(result)
-    comparisons = {(c.model, c.worker): c for c in report.comparisons}
-    width = max([len(m) for m, _ in rows] + [5])
-    lines = [
-        f"{'MODEL':<{width}}  {'WORKER':<16} {'DONE':>4} {'FAILED':>6} {'MEDIAN_MS':>10} "
-        f"{'BASELINE_MS':>11} {'RATIO':>6}"
-    ]
-    for (model, worker), results in sorted(rows.items()):
-        comparison = comparisons.get((model, worker))
-        done = sum(r.ok for r in results)
-        median = f"{comparison.median_ms:.0f}" if comparison else "-"
-        baseline = (
-            f"{comparison.baseline_ms:.0f}"
-            if comparison and comparison.baseline_ms is not None
-            else "-"
-        )
-        ratio = f"{comparison.ratio:.2f}x" if comparison and comparison.ratio is not None else "-"
-        flag = "  SLOW" if comparison and comparison.slow else ""
-        lines.append(
-            f"{model:<{width}}  {worker or '-':<16} {done:>4} {len(results) - done:>6} "
-            f"{median:>10} {baseline:>11} {ratio:>6}{flag}"
-        )
-    return lines
-
-
-def warnings(report: BenchReport) -> list[str]:
-    """One line per worker running a model at twice its own baseline or worse."""
-    return [
-        f"warning: {c.model} on {c.worker} ran at {c.ratio:.1f}x its baseline "
-        f"({c.median_ms:.0f} ms against {c.baseline_ms:.0f} ms, the median of its earlier "
-        f"clean runs, {c.baseline_runs} or more): is a second instance of {c.worker} running?"
-        for c in report.slow
-        if c.ratio is not None and c.baseline_ms is not None
-    ]

@@ -19,7 +19,9 @@ from devtools.servers import NatsServer
 from schemas.events import BenchFinished, BenchResult, BenchStarted, any_event_decoder
 from schemas.subjects import EVENTS_STREAM
 from services.runtime.errors import NoWorker
-from services.stats.bench import Bench, BenchPrompt, BenchReport, warnings
+from services.stats.bench import Bench
+from services.stats.bench_prompts import BenchPrompt
+from services.stats.bench_report import BenchReport, warnings
 from tests.harness import ServiceRunner, clean_env, eventually, request, run_cli, workers_live
 
 MODEL = "qwen2.5:0.5b"

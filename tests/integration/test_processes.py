@@ -43,8 +43,11 @@ async def test_a_second_process_with_the_same_worker_id_is_refused_naming_the_ho
     first = processes.start([COORDINATOR, "worker"], env)
     await workers_live_via_kv(nc, "cpu-1")
 
+    calls_before = ollama.stats()["generate_calls"]
     second = processes.start([COORDINATOR, "worker"], {**env, "WORKER_HOST": "box-b"})
     _, stderr = await asyncio.to_thread(second.communicate, timeout=30)
+    # Refused before its sanity runs: the shared backend saw nothing of it.
+    assert ollama.stats()["generate_calls"] == calls_before
 
     assert second.returncode != 0
     assert "duplicate_worker" in stderr

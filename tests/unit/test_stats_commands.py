@@ -11,6 +11,7 @@ import pytest
 
 from schemas.stats import FigureView
 from services.cli.main import build_parser
+from services.cli.stats_args import parse_time
 from services.cli.stats_commands import (
     cmd_alias_add,
     cmd_bench,
@@ -18,15 +19,15 @@ from services.cli.stats_commands import (
     cmd_figures,
     cmd_judge,
     cmd_serve,
-    figures_table,
     judge_environment,
-    parse_time,
 )
+from services.cli.stats_format import figures_table
 from services.runtime.errors import ConfigError
 from services.stats.baseline import Comparison
-from services.stats.bench import BUILTIN_PROMPTS, BenchReport, Result, describe_error
-from services.stats.bench import table as bench_table
-from services.stats.bench import warnings as bench_warnings
+from services.stats.bench_prompts import BUILTIN_PROMPTS
+from services.stats.bench_report import BenchReport, Result, describe_error
+from services.stats.bench_report import table as bench_table
+from services.stats.bench_report import warnings as bench_warnings
 from services.stats.judge import JudgeReport, JudgeSettings, summary
 
 NOW = 1_750_000_000.0
