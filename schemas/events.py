@@ -49,6 +49,8 @@ class TaskSubmitted(Event, frozen=True, kw_only=True, tag="submitted"):
     truncate: bool | None = None
     dimensions: int | None = None
     normalize: bool = True
+    client: str | None = None
+    """The gateway key the task came in with (`schemas.route.RouteRequest.client`)."""
 
 
 class TaskRouted(Event, frozen=True, kw_only=True, tag="routed"):

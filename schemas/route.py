@@ -115,6 +115,10 @@ class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     normalize: bool = True
     """Embedding: unit-length vectors (``/api/embed``, ``/v1/embeddings``); false for Ollama's
     older ``/api/embeddings``, whose vectors are the model's own."""
+    client: str | None = None
+    """The name of the gateway key the request came in with (``coordinator keys``). The
+    gateway sets it, overwriting anything an HTTP client sent; None through an open gateway or
+    straight over NATS (where the sender's NATS user is what is trusted)."""
 
 
 class ErrorDetail(Wire, frozen=True, kw_only=True):

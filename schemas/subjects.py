@@ -50,6 +50,9 @@ ALIAS_REMOVE: Final = "coordinator.stats.alias.remove"
 ALIASES: Final = "coordinator.stats.aliases"
 
 STATS_BUCKET: Final = "stats"
+# The gateway's API keys: key = the key's name, value = its hash and metadata (never the key).
+GATEWAY_KEYS_BUCKET: Final = "gateway_keys"
+
 # Streamed answers: a worker publishes a task's chunks on
 # ``coordinator.chunk.<its worker id>.<task id>`` (its NATS user may publish under its own id
 # only); the router, which holds the client's reply subject, passes on those of the worker the

@@ -12,7 +12,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from schemas.subjects import ASLEEP_BUCKET, STATS_BUCKET, TASKS_STREAM, WORKERS_BUCKET
+from schemas.subjects import (
+    ASLEEP_BUCKET,
+    GATEWAY_KEYS_BUCKET,
+    STATS_BUCKET,
+    TASKS_STREAM,
+    WORKERS_BUCKET,
+)
 from services.cli.roles import MICRO_SERVICES, PER_WORKER
 from services.fleet.liveness import is_fresh
 from services.runtime.settings import (
@@ -42,6 +48,7 @@ async def setup_streams(
         await ensure_streams(js, worker_ttl_s=worker_ttl_s, events_max_age_s=events_max_age_s)
         await ensure_bucket(js, STATS_BUCKET, ttl_s=None)
         await ensure_bucket(js, ASLEEP_BUCKET, ttl_s=None)
+        await ensure_bucket(js, GATEWAY_KEYS_BUCKET, ttl_s=None)
         for pool in POOLS:  # workers may pull from these, not make or change them
             await ensure_consumer(js, pool, ack_wait_s=DEFAULT_ACK_WAIT_S)
     finally:

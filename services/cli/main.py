@@ -20,7 +20,7 @@ from schemas import events, queries, route, stats, tasks, vectors, workers
 from schemas.models import COMPLETION, facts_in
 from schemas.subjects import ROUTE, TASK, WORKERS
 from services import __version__
-from services.cli import deploy, doctor, stats_commands
+from services.cli import deploy, doctor, keys, stats_commands
 from services.cli.client import open_client
 from services.runtime.errors import ConfigError, CoordinatorError
 from services.runtime.lifecycle import run_until_stopped
@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     # setup, health, deploy render; doctor
     deploy.register(sub)
     doctor.register(sub)
+    keys.register(sub)  # the gateway's API keys
     return parser
 
 

@@ -19,6 +19,7 @@ from schemas.subjects import (
     CANCEL,
     CHUNKS,
     EVENTS_STREAM,
+    GATEWAY_KEYS_BUCKET,
     REAPER_SERVICE,
     REAPER_STATUS,
     ROUTE,
@@ -260,8 +261,21 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
             responses=ONE_REPLY,
         )
     if role == "gateway":
+        keys = _kv(GATEWAY_KEYS_BUCKET)
         return Permissions(
-            publish=[ROUTE, TASK, WORKERS, STATS, CANCEL],
+            publish=[
+                ROUTE,
+                TASK,
+                WORKERS,
+                STATS,
+                CANCEL,
+                # It watches the API keys (their hashes); only the operator writes them.
+                f"$JS.API.STREAM.INFO.{keys}",
+                f"$JS.API.CONSUMER.CREATE.{keys}",
+                f"$JS.API.CONSUMER.CREATE.{keys}.>",
+                f"$JS.API.CONSUMER.INFO.{keys}.*",
+                "$JS.FC.>",
+            ],
             subscribe=[_own_inbox(user), *_MICRO],
             responses=ONE_REPLY,  # its health PING
         )
@@ -277,7 +291,13 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
         # exclusions and rebuilds: everything a person running the fleet does, on the API.
         # Its inbox is its own like everyone's; it cannot publish events or tasks.
         return Permissions(
-            publish=["$JS.API.>", "$SRV.>", "$JS.FC.>", "coordinator.>"],
+            publish=[
+                "$JS.API.>",
+                "$SRV.>",
+                "$JS.FC.>",
+                "coordinator.>",
+                f"$KV.{GATEWAY_KEYS_BUCKET}.>",  # `coordinator keys add` / `revoke`
+            ],
             subscribe=[_own_inbox(user)],
         )
     if role == "jobs":

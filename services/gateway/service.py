@@ -10,6 +10,11 @@ the API modules (`ollama_api`, `ollama_answers`, `openai_api`, `openai_answers`,
 
 Every request ends in one ``request`` log line (path, model, status, code, and the task when
 there was one), refusals before routing included.
+
+Who may ask is `access` (API keys from the ``gateway_keys`` bucket, their checks in `keys`):
+a request that needs a key and lacks one is a 401 before any handler runs, and the key's name
+travels with the task as ``client``. Slow clients are bounded: the header by `connections`,
+the body by ``GATEWAY_BODY_TIMEOUT_S`` (408), an idle connection by aiohttp's keep-alive.
 """
 
 from __future__ import annotations
@@ -28,16 +33,19 @@ from schemas.queries import TaskQuery
 from schemas.subjects import ROUTE, TASK
 from services import __version__
 from services.gateway import fleet, ollama_api, openai_api
+from services.gateway.access import Access, client_of
 from services.gateway.bus import QUERY_TIMEOUT_S, FleetBus
 from services.gateway.common import OLLAMA_API_VERSION, ApiError, Ask, Instant, Shape, model_named
+from services.gateway.connections import GuardedSite, HeaderDeadline
 from services.gateway.fleet import Served
+from services.gateway.keys import always_keyed, is_loopback, open_refusal
 from services.gateway.ollama_answers import OllamaEmbedShape, OllamaShape, ollama_pull
 from services.gateway.openai_answers import OpenAIEmbedShape, OpenAIShape
 from services.gateway.relay import Relay
 from services.gateway.responses import JSON, NDJSON, read_body, refused
 from services.gateway.task_api import TaskShape, task_route
 from services.runtime.bus import connect
-from services.runtime.errors import ConfigError
+from services.runtime.errors import ConfigError, WaitTimeout
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import GatewaySettings
 
@@ -59,9 +67,18 @@ class Gateway:
         self.bus = FleetBus(nc)
         self.replies = self.bus.replies
         self.relay = Relay(nc, self.bus, self.tasks, settings)
+        self.access = Access(
+            always=always_keyed(settings.gateway_host, allow_open=settings.gateway_allow_open),
+            retry_after_s=settings.gateway_retry_after_s,
+        )
+        self.deadline = HeaderDeadline(settings.gateway_header_timeout_s)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.gateway_max_body_bytes)
+        app = web.Application(
+            client_max_size=self.settings.gateway_max_body_bytes,
+            # The header deadline first: a refused request has ended its header too.
+            middlewares=[self.deadline.middleware, self.access.middleware],
+        )
         routes = app.router
         # add_get also answers HEAD, which Ollama's CLI sends to / to see the server is up.
         routes.add_get("/", self.root)
@@ -211,7 +228,8 @@ class Gateway:
                 return await self._instant(request, ask)
         except ApiError as exc:
             return self._refused(request, make_shape("", None), exc, model_named(body))
-        return await self.relay.serve(request, ask.route, make_shape(ask.route.model, ask))
+        route = msgspec.structs.replace(ask.route, client=client_of(request))
+        return await self.relay.serve(request, route, make_shape(route.model, ask))
 
     # -- the task API ----------------------------------------------------------------------------
 
@@ -221,10 +239,11 @@ class Gateway:
         body = b""
         try:
             body = await self._read(request)
-            asked = task_route(body)
+            # ``client`` is the gateway's to say, whatever the body claims.
+            asked = msgspec.structs.replace(task_route(body), client=client_of(request))
             if asked.wait or asked.stream:
                 return await self.relay.serve(request, asked, shape)
-            reply = await self.bus.call(ROUTE, body, QUERY_TIMEOUT_S)
+            reply = await self.bus.call(ROUTE, _encoder.encode(asked), QUERY_TIMEOUT_S)
         except ApiError as exc:
             return self._refused(request, shape, exc, model_named(body))
         return web.Response(body=reply, content_type=JSON)
@@ -247,14 +266,29 @@ class Gateway:
         return fleet.serving(model, known.workers, known.aliases, pull=pull)
 
     async def _read(self, request: web.Request) -> bytes:
-        return await read_body(request, self.settings.gateway_max_body_bytes)
+        """The body, within the size limit and ``GATEWAY_BODY_TIMEOUT_S`` (else 408: a body
+        shorter than its ``Content-Length`` ends here, not in a hang)."""
+        timeout_s = self.settings.gateway_body_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await read_body(request, self.settings.gateway_max_body_bytes)
+        except TimeoutError:
+            raise ApiError(
+                408,
+                WaitTimeout.code,
+                f"the request body did not arrive in {timeout_s:g} s (GATEWAY_BODY_TIMEOUT_S)",
+            ) from None
 
     def _refused(
         self, request: web.Request, shape: Shape, exc: ApiError, model: str = ""
     ) -> web.Response:
-        return refused(
+        response = refused(
             request, shape, exc, retry_after_s=self.settings.gateway_retry_after_s, model=model
         )
+        if exc.status in (408, 413):
+            # The body is not read (whole): the connection cannot carry another request.
+            response.force_close()
+        return response
 
 
 def _openai_shape(*, chat: bool) -> MakeShape:
@@ -274,11 +308,15 @@ async def serve(gateway: Gateway, host: str, port: int) -> web.AppRunner:
     # handler_cancellation: a client that disconnects cancels its handler, which cancels the
     # client's task; without it a non-streamed request would run on unnoticed.
     runner = web.AppRunner(
-        gateway.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        gateway.app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=5.0,
+        keepalive_timeout=gateway.settings.gateway_keepalive_timeout_s,
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await GuardedSite(runner, host, port, gateway.deadline).start()
     except OSError as exc:
         await runner.cleanup()
         raise ConfigError(
@@ -293,8 +331,23 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
     gateway = Gateway(nc, settings)
     try:
         await gateway.replies.start()
+        await gateway.access.start(nc)
+        keys = len(gateway.access.table)
+        why = open_refusal(settings.gateway_host, allow_open=settings.gateway_allow_open, keys=keys)
+        if why is not None:
+            raise ConfigError(why)
         runner = await serve(gateway, settings.gateway_host, settings.gateway_port)
-        log.info("gateway ready", url=f"http://{settings.gateway_host}:{settings.gateway_port}")
+        log.info(
+            "gateway ready",
+            url=f"http://{settings.gateway_host}:{settings.gateway_port}",
+            keys_required=gateway.access.table.required,
+            keys=keys,
+        )
+        if not gateway.access.table.required and not is_loopback(settings.gateway_host):
+            log.warning(
+                "GATEWAY_ALLOW_OPEN: no API key is required, so anyone who reaches "
+                f"{settings.gateway_host}:{settings.gateway_port} may use the fleet"
+            )
         if settings.gateway_max_body_bytes > nc.max_payload:
             log.warning(
                 "GATEWAY_MAX_BODY_BYTES is over the NATS server's max_payload: bodies between "
@@ -308,6 +361,7 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
             await runner.cleanup()
     finally:
         await gateway.tasks.wait(timeout_s=2.0)
+        await gateway.access.stop()
         await gateway.replies.stop()
         with suppress(Exception):
             await nc.drain()

@@ -26,6 +26,7 @@ def submitted_event(task: Submission) -> TaskSubmitted:
         requested_worker=request.worker,
         requested_model=task.requested_model,
         timeout_s=task.timeout_s,
+        client=request.client,
         **work_of(request),
     )
 

@@ -218,6 +218,12 @@ class Cancelled(CoordinatorError):
     code = "cancelled"
 
 
+class InvalidApiKey(CoordinatorError):
+    """A gateway request without a key the gateway knows (OpenAI's code for a 401)."""
+
+    code = "invalid_api_key"
+
+
 class StopRequested(CoordinatorError):
     """The process was told to stop before it was ready (say, while it waited for NATS)."""
 

@@ -277,8 +277,8 @@ class GatewaySettings(Settings, frozen=True, kw_only=True):
     """``coordinator gateway``: the fleet as one Ollama- and OpenAI-compatible HTTP endpoint."""
 
     gateway_host: str = "127.0.0.1"
-    """Loopback by default: the gateway has no authentication, so exposing it to a network
-    (``0.0.0.0``) is a deliberate choice, as with Ollama's own ``OLLAMA_HOST``."""
+    """Loopback by default. On any other address the gateway wants API keys (``coordinator
+    keys add``) and refuses to start without one unless ``GATEWAY_ALLOW_OPEN`` says so."""
     gateway_port: int = 11400
     gateway_task_timeout_s: float | None = None
     """The timeout the gateway's tasks ask for; unset: the router's ``DEFAULT_TIMEOUT_S``."""
@@ -290,6 +290,17 @@ class GatewaySettings(Settings, frozen=True, kw_only=True):
     """The largest request body the gateway reads (images are megabytes); a larger one is a
     413 in the API's own shape. Keep it under the NATS server's ``max_payload``: a task must
     fit in one message."""
+    gateway_allow_open: bool = False
+    """Serve a non-loopback ``GATEWAY_HOST`` without API keys: anyone who reaches the port
+    can use the fleet. Off: such a gateway refuses to start until a key exists."""
+    gateway_header_timeout_s: float = 10.0
+    """From a request's first byte to the end of its headers; a slower client (slowloris) is
+    disconnected."""
+    gateway_body_timeout_s: float = 60.0
+    """The longest a request body may take to arrive whole; then 408 and the connection is
+    closed (a ``Content-Length`` larger than what is sent ends here, not in a hang)."""
+    gateway_keepalive_timeout_s: float = 75.0
+    """How long an idle keep-alive connection (or one that never sends a request) stays open."""
 
     def check(self) -> None:
         if not 0 < self.gateway_port < 65536:
@@ -302,6 +313,11 @@ class GatewaySettings(Settings, frozen=True, kw_only=True):
             raise ConfigError("GATEWAY_RETRY_AFTER_S must not be negative")
         if self.gateway_max_body_bytes <= 0:
             raise ConfigError("GATEWAY_MAX_BODY_BYTES must be a positive number of bytes")
+        for name in ("header", "body", "keepalive"):
+            if getattr(self, f"gateway_{name}_timeout_s") <= 0:
+                raise ConfigError(
+                    f"GATEWAY_{name.upper()}_TIMEOUT_S must be a positive number of seconds"
+                )
 
 
 class SetupSettings(Settings, frozen=True, kw_only=True):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -19,6 +20,7 @@ from schemas.subjects import (
     ALIAS_ADD,
     ALIASES,
     EVENTS_STREAM,
+    GATEWAY_KEYS_BUCKET,
     ROUTE,
     SHARED_CONSUMER,
     STATS_EXCLUDE,
@@ -28,6 +30,7 @@ from schemas.subjects import (
 )
 from services.runtime.request import stream_call
 from tests.harness import ServiceRunner, request, workers_live
+from tests.integration.test_gateway import start_gateway
 from tests.integration.test_nats_permissions import (
     WORKER,
     Violations,
@@ -190,3 +193,27 @@ async def test_a_streamed_answer_reaches_its_client_through_the_router_and_nobod
     finally:
         await eve.close()
         await client.close()
+
+
+async def test_the_gateway_reads_the_api_keys_and_only_the_operator_writes_them(
+    secured: NatsServer, admin: Client, runner: ServiceRunner
+) -> None:
+    """Under its own user the gateway starts and follows the keys bucket; a client cannot
+    write a key in, the operator can."""
+    url = await start_gateway(
+        runner, secured.url, nats_user="gateway", nats_password=password("gateway")
+    )
+    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+        assert (await http.get("/api/version")).status_code == 200
+    errors = Violations()
+    client = await connect_as(secured, "client", errors)
+    operator = await connect_as(secured, "operator")
+    try:
+        await client.publish(f"$KV.{GATEWAY_KEYS_BUCKET}.mine", b"{}")
+        assert await refused(client, errors, f"$KV.{GATEWAY_KEYS_BUCKET}.mine")
+        keys = await operator.jetstream().key_value(GATEWAY_KEYS_BUCKET)
+        await keys.put("ops", b"{}")  # the operator may (a real key is `coordinator keys add`)
+        await keys.delete("ops")
+    finally:
+        await client.close()
+        await operator.close()
