@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ssl
+import sys
 from contextlib import suppress
 from typing import Any, Final
 
@@ -212,8 +213,27 @@ def _why(exc: BaseException, timeout_s: float) -> str:
     if isinstance(exc, TimeoutError):
         return f"no answer within {timeout_s:g} s"
     if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror[:1].lower() + exc.strerror[1:]
+        said = exc.strerror[:1].lower() + exc.strerror[1:]
+        return said + local_network_hint(exc.errno, sys.platform)
     return str(exc) or type(exc).__name__
+
+
+# macOS's EHOSTUNREACH. There, a program without the Local Network permission gets it for
+# every address on the LAN while `nc` and `ping` (which have it) reach the same host.
+_DARWIN_EHOSTUNREACH = 65
+
+
+def local_network_hint(errno: int | None, platform: str) -> str:
+    """What to do about "no route to host" on macOS, where it usually means a missing
+    permission rather than a network fault; "" elsewhere."""
+    if platform != "darwin" or errno != _DARWIN_EHOSTUNREACH:
+        return ""
+    return (
+        " (on macOS this usually means this Python lacks the Local Network permission: allow"
+        " it in System Settings → Privacy & Security → Local Network; macOS asks only in a"
+        " desktop session, so start it once from a logged-in Terminal, not over SSH or"
+        " launchd)"
+    )
 
 
 def _auth_options(auth: NatsAuth) -> dict[str, Any]:

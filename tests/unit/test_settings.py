@@ -48,3 +48,13 @@ def test_a_missing_required_variable_is_named() -> None:
 def test_a_malformed_value_is_refused_naming_the_variable(env: dict[str, str], named: str) -> None:
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         WorkerSettings.from_env(env)
+
+
+def test_no_route_to_host_on_macos_names_the_local_network_permission() -> None:
+    from services.runtime.bus import local_network_hint
+
+    hint = local_network_hint(65, "darwin")
+    assert "System Settings → Privacy & Security → Local Network" in hint
+    assert "desktop session" in hint
+    assert local_network_hint(65, "linux") == ""  # errno 65 is another error on Linux
+    assert local_network_hint(61, "darwin") == ""  # connection refused: no hint
