@@ -62,6 +62,110 @@ def image_problem(images: list[str] | None, where: str = "") -> str | None:
     return None
 
 
+# -- what one request may hold ------------------------------------------------------------------
+# Caps far above what a real client sends, so that one request cannot make the router, the
+# workers and the statistics walk, send and store a hundred thousand of anything. The NATS
+# message limit bounds a request's bytes; these bound its counts, which bytes do not (100,000
+# empty options fit in a megabyte).
+
+MAX_OPTIONS: Final = 256
+"""Keys in ``options``: Ollama's options are a few dozen known names."""
+MAX_MESSAGES: Final = 1024
+"""Turns in ``messages``."""
+MAX_TOOLS: Final = 128
+"""Tool definitions in ``tools`` (OpenAI's own limit)."""
+MAX_TOOL_CALLS: Final = 128
+"""Tool calls in one message."""
+MAX_IMAGES: Final = 64
+"""Images in the whole request: ``images`` and every message's together."""
+MAX_STOP: Final = 16
+"""Stop sequences in ``options.stop``."""
+MAX_INPUTS: Final = 2048
+"""Texts in an embedding request's ``input`` (OpenAI's own limit)."""
+MAX_TIMEOUT_S: Final = 86_400.0
+"""A task's ``timeout_s``: a day. Past that a timer overflows (a socket's timeout is a C
+``timeval``) and the reaper would never call the task stuck."""
+MAX_QUERY_ITEMS: Final = 256
+"""Entries in a list of a request to the stats service (a baselines query's models): each
+is a database query of its own."""
+MAX_NESTING: Final = 64
+"""Levels of JSON objects and arrays within each other in a request body (the request
+itself is the first): room for any JSON schema a ``format`` or a tool takes, and far below
+the depth at which a recursive encoder (the worker's, PostgreSQL's) gives up."""
+
+
+def count_problem(field: str, count: int, cap: int, unit: str = "entries") -> str | None:
+    """Why ``count`` ``unit`` in ``field`` are too many (naming the field and the cap), or None."""
+    if count <= cap:
+        return None
+    return f"{field} has {count} {unit}, over the limit of {cap}"
+
+
+def _children(value: Any) -> Any:
+    if isinstance(value, dict):
+        return value.values()
+    if isinstance(value, msgspec.Struct):
+        return msgspec.structs.astuple(value)
+    return value
+
+
+def nested_deeper_than(value: Any, levels: int) -> bool:
+    """Do objects and arrays (dicts, lists, Structs) nest more than ``levels`` deep in
+    ``value``? Walked level by level, without recursion, stopping at the first level over."""
+    containers = (dict, list, tuple, msgspec.Struct)
+    level = [value] if isinstance(value, containers) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > levels:
+            return True
+        level = [
+            child for item in level for child in _children(item) if isinstance(child, containers)
+        ]
+    return False
+
+
+def too_deep(what: str) -> str:
+    """The refusal of a ``what`` nested deeper than `MAX_NESTING`."""
+    return f"{what} nests objects and arrays more than {MAX_NESTING} levels deep"
+
+
+def nesting_problem(value: Any, what: str) -> str | None:
+    """Why ``value`` (a decoded ``what``) nests too deep (`too_deep`), or None."""
+    return too_deep(what) if nested_deeper_than(value, MAX_NESTING) else None
+
+
+def _stop_problem(options: dict[str, Any]) -> str | None:
+    stop = options.get("stop")
+    if stop is None or isinstance(stop, str):
+        return None
+    if not isinstance(stop, list) or not all(isinstance(text, str) for text in stop):
+        return "options.stop must be a string or a list of strings"
+    return count_problem("options.stop", len(stop), MAX_STOP, "stop sequences")
+
+
+def request_problem(request: RouteRequest) -> str | None:
+    """Why ``request`` holds more than a request may (the caps above, each refusal naming
+    the field and its cap), or None when it is within them. Nesting is the decoder's check
+    (`nesting_problem`): it is a property of the body, whatever the field."""
+    messages = request.messages or ()
+    images = len(request.images or ()) + sum(len(m.images or ()) for m in messages)
+    problems = (
+        count_problem("options", len(request.options or ()), MAX_OPTIONS, "keys"),
+        _stop_problem(request.options or {}),
+        count_problem("messages", len(messages), MAX_MESSAGES, "messages"),
+        count_problem("tools", len(request.tools or ()), MAX_TOOLS, "tools"),
+        count_problem("images (over the request and its messages)", images, MAX_IMAGES, "images"),
+        count_problem("input", len(request.input or ()), MAX_INPUTS, "texts"),
+        *(
+            count_problem(f"messages[{i}].tool_calls", len(m.tool_calls), MAX_TOOL_CALLS, "calls")
+            for i, m in enumerate(messages)
+            if m.tool_calls
+        ),
+    )
+    return next((problem for problem in problems if problem is not None), None)
+
+
 class ChatMessage(Wire, frozen=True, kw_only=True):
     """One turn of a conversation, as Ollama's ``/api/chat`` and OpenAI's chat API take it."""
 

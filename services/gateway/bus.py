@@ -18,7 +18,7 @@ from schemas.queries import WorkersReply, WorkerView
 from schemas.route import CHUNK_HEADER, CancelRequest, ErrorBody, RouteReply, failure_of
 from schemas.subjects import CANCEL, WORKERS
 from services.gateway.common import ApiError, encoder, failure_status, refusal_status
-from services.runtime.errors import NoResponder, NotFound, NoWorker, WaitTimeout
+from services.runtime.errors import NoResponder, NotFound, NoWorker, TooLarge, WaitTimeout
 
 log = structlog.get_logger("gateway")
 
@@ -94,6 +94,13 @@ class FleetBus:
         except nats.errors.TimeoutError:
             raise ApiError(
                 504, WaitTimeout.code, f"{subject} did not answer in {timeout_s:g} s"
+            ) from None
+        except nats.errors.MaxPayloadError:
+            raise ApiError(
+                413,
+                TooLarge.code,
+                f"the request is {len(body)} bytes, over what one NATS message can hold "
+                f"({self.nc.max_payload} bytes, the server's max_payload)",
             ) from None
         headers = reply.headers or {}
         code = headers.get("Nats-Service-Error-Code")

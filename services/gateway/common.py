@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Sized
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -19,8 +20,16 @@ from typing import Any, Final, Protocol, TypeVar
 
 import msgspec
 
-from schemas.route import RouteReply, RouteRequest, StreamChunk
+from schemas.route import (
+    RouteReply,
+    RouteRequest,
+    StreamChunk,
+    count_problem,
+    nesting_problem,
+    request_problem,
+)
 from schemas.subjects import InvalidId
+from services.runtime.endpoints import decode_body
 from services.runtime.errors import (
     BackendError,
     BackendTimeout,
@@ -56,10 +65,12 @@ class ApiError(CoordinatorError):
     `CoordinatorError` carrying the code it was given (a catalogued one, or the router's or a
     task's) and the HTTP ``status`` that code has here (`refusal_status`, `failure_status`)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, *, close: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.close = close
+        """Close the connection after the answer: the request's body was not read whole."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,13 +151,41 @@ T = TypeVar("T")
 
 
 def decode(body: bytes, kind: type[T], what: str) -> T:
-    """``body`` as ``kind``; a malformed body is a 400 naming the request and the field."""
+    """``body`` as ``kind``; a body that is not one (malformed JSON, not an object, a field of
+    the wrong type, not UTF-8, nested too deep: `decode_body`) is a 400 naming the request
+    and the field."""
     try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as exc:
-        raise ApiError(400, BadRequest.code, f"invalid {what} request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, BadRequest.code, f"{what} request is not valid JSON: {exc}") from None
+        return decode_body(body, kind, f"{what} request")
+    except BadRequest as exc:
+        raise ApiError(400, exc.code, exc.message) from None
+
+
+def check_limits(request: RouteRequest) -> RouteRequest:
+    """``request`` unless it holds more than a request may (`request_problem`), or nests too
+    deep as it is routed (a tool call's ``arguments`` text is parsed here): a 400 naming the
+    field and the cap, before anything is routed."""
+    problem = request_problem(request) or nesting_problem(request, "the request as routed")
+    if problem is not None:
+        raise ApiError(400, BadRequest.code, problem)
+    return request
+
+
+def check_count(field: str, items: Sized, cap: int, unit: str = "entries") -> None:
+    """A 400 naming ``field`` and ``cap`` when ``items`` are more than ``cap`` (`count_problem`):
+    for a body's list checked before it is worked through, not only once routed."""
+    problem = count_problem(field, len(items), cap, unit)
+    if problem is not None:
+        raise ApiError(400, BadRequest.code, problem)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``value`` as a message quotes it: its ``repr``, cut to ``limit`` characters (a client's
+    value may be megabytes, or nested too deep to print)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<a {type(value).__name__} nested too deep to show>"
+    return text if len(text) <= limit else f"{text[: limit - 1]}…"
 
 
 def refuse(field: str, present: object, why: str = "") -> None:
@@ -180,15 +219,28 @@ _GO_DURATION: Final = re.compile(f"(?:{_GO_PART})+")
 FOREVER_NS: Final = 2**63 - 1
 
 
+def _seconds(value: Any) -> float | None:
+    """A number of seconds as a float; None for NaN, an integer past a float's range (a
+    route request could not carry it) and anything that is not a number."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return None if math.isnan(seconds) else seconds
+
+
 def keep_alive_ns(value: Any) -> int | None:
     """Ollama's ``keep_alive`` in nanoseconds, as Ollama reads it: a number is seconds, a
     string a Go duration ("0", "0s", "5m"); negative is for ever; None when not given."""
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
-        if value < 0 or math.isinf(value):
+    seconds = _seconds(value)
+    if seconds is not None:
+        if seconds < 0 or seconds * NS_PER_S >= FOREVER_NS:  # inf, and 1e308 (inf in ns)
             return FOREVER_NS
-        return min(int(value * NS_PER_S), FOREVER_NS)
+        return int(seconds * NS_PER_S)
     if isinstance(value, str):
         negative = value.startswith("-")
         text = value[1:] if value[:1] in ("+", "-") else value
@@ -199,7 +251,7 @@ def keep_alive_ns(value: Any) -> int | None:
             total = int(sum(Decimal(number) * _GO_UNITS[unit] for number, unit in parts))
             return FOREVER_NS if negative and total else min(total, FOREVER_NS)
     raise ApiError(
-        400, BadRequest.code, f"invalid keep_alive {value!r}: seconds, or a duration like '5m'"
+        400, BadRequest.code, f"invalid keep_alive {shown(value)}: seconds, or a duration like '5m'"
     )
 
 
@@ -223,7 +275,7 @@ def model_named(body: bytes) -> str:
     """The ``model`` (or ``name``) a body names, or "" when it names none or is not JSON."""
     try:
         named = _named_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return ""
     return named.model or named.name or ""
 

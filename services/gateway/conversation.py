@@ -12,7 +12,7 @@ from typing import Any, Final
 import msgspec
 
 from schemas.route import ChatMessage, OutputFormat, RouteRequest, ToolCall, image_problem
-from services.gateway.common import ApiError, encoder, require_model
+from services.gateway.common import ApiError, check_limits, encoder, require_model, shown
 
 # Roles as the chat APIs name them -> the wire's; OpenAI's newer "developer" is a system prompt.
 _ROLES: Final[dict[str, Any]] = {
@@ -29,7 +29,7 @@ def message(role: str, content: str, **fields: Any) -> ChatMessage:
     """One turn; roles compare case-insensitively, as Ollama reads them."""
     wire_role = _ROLES.get(role.lower())
     if wire_role is None:
-        raise ApiError(400, "bad_request", f"unknown message role {role!r}")
+        raise ApiError(400, "bad_request", f"unknown message role {shown(role)}")
     return ChatMessage(role=wire_role, content=content, **fields)
 
 
@@ -74,14 +74,17 @@ def conversation(messages: list[ChatMessage]) -> tuple[str, list[ChatMessage]]:
 def route(
     model: str, prompt: str, *, stream: bool, timeout_s: float | None, **work: Any
 ) -> RouteRequest:
-    """A route request that waits for its task; ``work`` are `RouteRequest`'s work fields."""
+    """A route request that waits for its task; ``work`` are `RouteRequest`'s work fields.
+    Refused (a 400) when it holds more than a request may (`check_limits`)."""
     require_model(model)
     if not prompt.strip():
         raise ApiError(400, "bad_request", "the prompt (or every message) is empty")
     if not work.get("options"):
         work["options"] = None
-    return RouteRequest(
-        prompt=prompt, model=model, wait=True, stream=stream, timeout_s=timeout_s, **work
+    return check_limits(
+        RouteRequest(
+            prompt=prompt, model=model, wait=True, stream=stream, timeout_s=timeout_s, **work
+        )
     )
 
 
@@ -102,11 +105,13 @@ def output_format(value: Any) -> OutputFormat | None:
         return "json"
     if isinstance(value, dict):
         return value
-    shown = encoder.encode(encoder.encode(value).decode()).decode()
+    text = encoder.encode(encoder.encode(value).decode()).decode()
+    if len(text) > 80:
+        text = f"{text[:79]}…"
     raise ApiError(
         400,
         "bad_request",
-        f'invalid format: {shown}; expected "json" or a valid JSON Schema object',
+        f'invalid format: {text}; expected "json" or a valid JSON Schema object',
     )
 
 
@@ -120,7 +125,7 @@ def think(value: bool | str | None) -> bool | str | None:
         raise ApiError(
             400,
             "bad_request",
-            f'invalid think value: "{value}" (must be "high", "medium", "low", "max", true,'
+            f'invalid think value: "{value[:80]}" (must be "high", "medium", "low", "max", true,'
             " or false)",
         )
     return value
@@ -134,7 +139,7 @@ def arguments_of(text: str) -> dict[str, Any] | str:
     is not one (OpenAI's API allows any text; the model sees it unchanged)."""
     try:
         parsed = msgspec.json.decode(text)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return text
     return parsed if isinstance(parsed, dict) else text
 
@@ -156,17 +161,20 @@ def embedding_route(
     model: str, inputs: list[str], *, timeout_s: float | None, **work: Any
 ) -> RouteRequest:
     """One embedding task for the whole batch: ``input`` the texts (one vector each, in
-    order), ``prompt`` them joined, as the router would join them, for statistics."""
+    order), ``prompt`` them joined, as the router would join them, for statistics. Refused
+    (a 400) when it holds more than a request may (`check_limits`)."""
     require_model(model)
     if not work.get("options"):
         work["options"] = None
-    return RouteRequest(
-        prompt="\n".join(inputs),
-        model=model,
-        task_type="embedding",
-        input=inputs,
-        wait=True,
-        stream=False,
-        timeout_s=timeout_s,
-        **work,
+    return check_limits(
+        RouteRequest(
+            prompt="\n".join(inputs),
+            model=model,
+            task_type="embedding",
+            input=inputs,
+            wait=True,
+            stream=False,
+            timeout_s=timeout_s,
+            **work,
+        )
     )

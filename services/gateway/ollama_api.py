@@ -18,11 +18,12 @@ from typing import Any
 
 import msgspec
 
-from schemas.route import ChatMessage, ToolCall
+from schemas.route import MAX_MESSAGES, ChatMessage, ToolCall
 from services.gateway.common import (
     NS_PER_S,
     ApiError,
     Ask,
+    check_count,
     decode,
     encoder,
     iso_now,
@@ -256,6 +257,7 @@ def ollama_chat(body: bytes, *, timeout_s: float | None) -> Ask | Preload:
     """``POST /api/chat``; no messages at all is a `Preload`, unloading when ``keep_alive``
     is under a second (Ollama's chat test: whole seconds are zero)."""
     req = decode(body, _Chat, "chat")
+    check_count("messages", req.messages or (), MAX_MESSAGES, "messages")
     refuse("logprobs", req.logprobs, _LOGPROBS_WHY)
     work: dict[str, Any] = {
         "options": req.options,

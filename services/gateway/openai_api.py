@@ -28,8 +28,8 @@ from typing import Any, Final
 
 import msgspec
 
-from schemas.route import ChatMessage, OutputFormat, ToolCall
-from services.gateway.common import ApiError, Ask, decode, refuse
+from schemas.route import MAX_MESSAGES, ChatMessage, OutputFormat, ToolCall
+from services.gateway.common import ApiError, Ask, check_count, decode, refuse, shown
 from services.gateway.conversation import (
     arguments_of,
     check_images,
@@ -191,16 +191,14 @@ def _content(m: _Message) -> tuple[str, list[str] | None]:
     return "".join(texts), images or None
 
 
-def _tool_name(messages: list[_Message], call: str) -> str | None:
-    """The name of the call ``call`` names, as Ollama's layer finds it (the last one wins)."""
-    for earlier in reversed(messages):
-        for tool_call in earlier.tool_calls or ():
-            if tool_call.id == call:
-                return tool_call.function.name
-    return None
+def _note_calls(names: dict[str, str], m: _Message) -> None:
+    """Add the calls of ``m`` to ``names`` (call id -> function name), so that a later tool
+    result finds its call's name as Ollama's layer does: the last message with the id wins
+    (and within one message, the first call with it). One pass, not a search per result."""
+    names.update((call.id, call.function.name) for call in reversed(m.tool_calls or ()) if call.id)
 
 
-def _chat_message(m: _Message, history: list[_Message]) -> ChatMessage:
+def _chat_message(m: _Message, names: dict[str, str]) -> ChatMessage:
     text, images = _content(m)
     calls = [
         ToolCall(
@@ -217,7 +215,7 @@ def _chat_message(m: _Message, history: list[_Message]) -> ChatMessage:
     ]
     tool_name = None
     if m.role.lower() == "tool":
-        tool_name = m.name or (_tool_name(history, m.tool_call_id) if m.tool_call_id else None)
+        tool_name = m.name or (names.get(m.tool_call_id) if m.tool_call_id else None)
     return message(
         m.role,
         text,
@@ -249,7 +247,7 @@ def _think(req: _Chat) -> bool | str | None:
         raise ApiError(
             400,
             "bad_request",
-            f"invalid reasoning value: {effort!r} (must be one of {', '.join(_THINK)})",
+            f"invalid reasoning value: {shown(effort)} (must be one of {', '.join(_THINK)})",
         )
     return _THINK[effort]
 
@@ -288,7 +286,7 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
     raise ApiError(
         400,
         "bad_request",
-        f'invalid tool_choice {choice!r}: "none", "auto", "required" or '
+        f'invalid tool_choice {shown(choice)}: "none", "auto", "required" or '
         '{"type": "function", "function": {"name": ...}}',
     )
 
@@ -296,10 +294,14 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
 def openai_chat(body: bytes, *, timeout_s: float | None) -> Ask:
     """``POST /v1/chat/completions``."""
     req = decode(body, _Chat, "chat completion")
+    check_count("messages", req.messages, MAX_MESSAGES, "messages")
     options = {**_sampling_options(req), **_tool_choice(req.tool_choice)}
-    text, messages = conversation(
-        [_chat_message(m, req.messages[:n]) for n, m in enumerate(req.messages)]
-    )
+    names: dict[str, str] = {}
+    turns = []
+    for m in req.messages:
+        turns.append(_chat_message(m, names))
+        _note_calls(names, m)
+    text, messages = conversation(turns)
     ask = route(
         req.model,
         text,

@@ -42,7 +42,7 @@ from services.gateway.keys import always_keyed, is_loopback, open_refusal
 from services.gateway.ollama_answers import OllamaEmbedShape, OllamaShape, ollama_pull
 from services.gateway.openai_answers import OpenAIEmbedShape, OpenAIShape
 from services.gateway.relay import Relay
-from services.gateway.responses import JSON, NDJSON, read_body, refused
+from services.gateway.responses import JSON, NDJSON, json_errors, read_body, refused
 from services.gateway.task_api import TaskShape, task_route
 from services.runtime.bus import connect
 from services.runtime.errors import ConfigError, WaitTimeout
@@ -76,8 +76,13 @@ class Gateway:
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.gateway_max_body_bytes,
-            # The header deadline first: a refused request has ended its header too.
-            middlewares=[self.deadline.middleware, self.access.middleware],
+            # JSON errors around everything (no text/plain 500, whatever fails); then the
+            # header deadline: a refused request has ended its header too; then the key.
+            middlewares=[
+                json_errors(retry_after_s=self.settings.gateway_retry_after_s),
+                self.deadline.middleware,
+                self.access.middleware,
+            ],
         )
         routes = app.router
         # add_get also answers HEAD, which Ollama's CLI sends to / to see the server is up.
@@ -271,7 +276,10 @@ class Gateway:
         timeout_s = self.settings.gateway_body_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                return await read_body(request, self.settings.gateway_max_body_bytes)
+                # Inflated here, not by aiohttp, which refuses br and zstd in plain text.
+                return await read_body(
+                    request, self.settings.gateway_max_body_bytes, server_decompresses=False
+                )
         except TimeoutError:
             raise ApiError(
                 408,
@@ -313,6 +321,7 @@ async def serve(gateway: Gateway, host: str, port: int) -> web.AppRunner:
         access_log=None,
         shutdown_timeout=5.0,
         keepalive_timeout=gateway.settings.gateway_keepalive_timeout_s,
+        auto_decompress=False,  # `read_body` inflates, in the API's own errors
     )
     await runner.setup()
     try:

@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.route import ErrorBody, ErrorDetail, RouteReply, RouteRequest, StreamChunk
-from services.gateway.common import decode, encoder
+from services.gateway.common import check_limits, decode, encoder
 
 
 def task_route(body: bytes) -> RouteRequest:
-    """``POST /route``: the bus's own `RouteRequest` (unknown fields refused)."""
-    return decode(body, RouteRequest, "route")
+    """``POST /route``: the bus's own `RouteRequest` (unknown fields refused), within what a
+    request may hold (`check_limits`; the router checks the rest)."""
+    return check_limits(decode(body, RouteRequest, "route"))
 
 
 def error_body(code: str, message: str) -> bytes:

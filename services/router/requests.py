@@ -6,7 +6,6 @@ instead; nothing here reads the fleet.
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import Callable
@@ -16,16 +15,22 @@ from typing import Any, Final
 import msgspec
 
 from schemas.models import EMBEDDING
-from schemas.route import CancelRequest, RouteRequest, image_problem
+from schemas.route import (
+    MAX_TIMEOUT_S,
+    CancelRequest,
+    RouteRequest,
+    image_problem,
+    request_problem,
+)
 from schemas.subjects import InvalidId, check_token
+from services.runtime.endpoints import decode_body
 from services.runtime.errors import BadRequest, PromptTooLarge, TooLarge
 
 # What a task message and the ``submitted`` event add to the request itself (ids, times,
 # subjects, headers), so the size check leaves room for them.
 TASK_OVERHEAD_BYTES: Final = 4096
 
-_route_decoder = msgspec.json.Decoder(RouteRequest)
-_cancel_decoder = msgspec.json.Decoder(CancelRequest)
+_encoder = msgspec.json.Encoder()
 
 
 def new_task_id() -> str:
@@ -57,13 +62,12 @@ def _check_tools(tools: list[dict[str, Any]] | None) -> None:
 
 
 def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
-    """Decode and check a route request; every refusal is a `BadRequest` with a clear message."""
-    try:
-        request = _route_decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid route request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"route request is not valid JSON: {exc}") from None
+    """Decode and check a route request; every refusal is a `BadRequest` with a clear message
+    (undecodable bodies: `decode_body`; counts over their caps: `request_problem`)."""
+    request = decode_body(body, RouteRequest, "route request")
+    problem = request_problem(request)
+    if problem is not None:
+        raise BadRequest(problem)
     if request.task_type == "embedding":
         if not request.input:
             raise BadRequest("an embedding request needs input: a non-empty list of texts")
@@ -84,10 +88,11 @@ def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
         raise BadRequest("model must not be empty")
     if request.messages is not None and not request.messages:
         raise BadRequest("messages, when given, must hold at least one message")
-    if request.timeout_s is not None and not (
-        math.isfinite(request.timeout_s) and request.timeout_s > 0
-    ):
-        raise BadRequest(f"timeout_s must be a positive number of seconds, got {request.timeout_s}")
+    if request.timeout_s is not None and not (0 < request.timeout_s <= MAX_TIMEOUT_S):
+        raise BadRequest(
+            f"timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g} (a day), "
+            f"got {request.timeout_s}"
+        )
     if request.dimensions is not None and request.dimensions <= 0:
         raise BadRequest(f"dimensions must be a positive number, got {request.dimensions}")
     _check_images(request.images, "")
@@ -114,12 +119,13 @@ def as_routed(request: RouteRequest, model: str) -> RouteRequest:
     return routed
 
 
-def check_size(body_bytes: int, max_payload: int) -> None:
+def check_size(request_bytes: int, max_payload: int) -> None:
     """Refuse a request whose task message would not fit in one NATS message, instead of
     failing on publish: images and long conversations are megabytes. The task is the
-    request's fields plus ids and times, so the body's size (no second encoding) plus
-    `TASK_OVERHEAD_BYTES` bounds it."""
-    size = body_bytes + TASK_OVERHEAD_BYTES
+    request as it is routed (``request_bytes`` encoded, which may be more than the body
+    was: ``1e9`` is ``1000000000.0`` once decoded) plus ids and times, which
+    `TASK_OVERHEAD_BYTES` bounds."""
+    size = request_bytes + TASK_OVERHEAD_BYTES
     if size > max_payload:
         raise TooLarge(
             f"the request is {size} bytes as a task, over the NATS server's max_payload of "
@@ -143,16 +149,13 @@ def admit(
     gives its model (`as_routed`), and small enough for one NATS message (`check_size`)."""
     asked = parse_route_request(body, max_prompt_chars)
     routed = as_routed(asked, resolve(asked.model))
-    check_size(len(body), max_payload)
+    check_size(max(len(body), len(_encoder.encode(routed))), max_payload)
     return Admitted(asked_model=asked.model, routed=routed)
 
 
 def parse_cancel_request(body: bytes) -> CancelRequest:
     """Decode a cancel request, which names either a task or a waiting reply subject."""
-    try:
-        request = _cancel_decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"invalid cancel request: {exc}") from None
+    request = decode_body(body, CancelRequest, "cancel request")
     if (request.task_id is None) == (request.reply_to is None):
         raise BadRequest("a cancel request names either task_id or reply_to")
     return request

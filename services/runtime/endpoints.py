@@ -2,21 +2,30 @@
 
 nats.micro awaits one handler at a time per endpoint subscription, so a slow request (a route
 with ``wait``) would hold up every other. Each request is therefore handled in its own task.
+
+A request's body is decoded with `decode_body`, which turns every way a body can be
+undecodable (not JSON, the wrong shape, a string that is not UTF-8, nesting too deep) into a
+`BadRequest`: a known bad input never reaches the ``internal`` path, which stays for the
+service's own failures (logged with their traceback; the reply names only the exception's
+type and the start of its message).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
+from typing import Final, TypeVar
 
 import msgspec
+import nats.errors
 import structlog
 from nats.micro.request import Request
 from nats.micro.service import Service
 from opentelemetry import trace
 
-from schemas.route import ErrorBody, ErrorDetail
-from services.runtime.errors import CoordinatorError
+from schemas.route import ErrorBody, ErrorDetail, nesting_problem, too_deep
+from schemas.subjects import InvalidId
+from services.runtime.errors import BadRequest, CoordinatorError, TooLarge
 from services.runtime.lifecycle import TaskSet
 from services.runtime.tracing import extract_context
 
@@ -29,7 +38,50 @@ Handler = Callable[[bytes], Awaitable[bytes]]
 # handler that sends more than one message back, such as a streamed route.
 reply_subject: ContextVar[str] = ContextVar("reply_subject", default="")
 
+# An error's message in a reply: one that quotes the request (a bad id, say) must not make
+# the reply as large as the request, nor its header longer than a header line should be.
+MAX_ERROR_MESSAGE_CHARS: Final = 2000
+MAX_ERROR_HEADER_CHARS: Final = 256
+
 _encoder = msgspec.json.Encoder()
+
+T = TypeVar("T")
+
+
+def _utf8_error(body: bytes) -> str:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"at byte {exc.start}: {exc.reason}"
+    return "a string in it is not"
+
+
+def decode_body(body: bytes, kind: type[T], what: str) -> T:
+    """``body`` decoded as ``kind``; every way it can be undecodable is a `BadRequest` that
+    names ``what`` (``route request``, ``task query``...): malformed JSON, the wrong shape
+    (msgspec's message names the field), a string that is not UTF-8 (naming the byte), and
+    objects and arrays nested deeper than `schemas.route.MAX_NESTING`."""
+    try:
+        decoded = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid {what}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+    except UnicodeDecodeError:
+        # msgspec raises it for a string that is not UTF-8, with the offset in that string.
+        raise BadRequest(f"{what} is not valid UTF-8 ({_utf8_error(body)})") from None
+    except RecursionError:
+        # msgspec stops at the interpreter's recursion limit (about a thousand levels).
+        raise BadRequest(too_deep(what)) from None
+    problem = nesting_problem(decoded, what)
+    if problem is not None:
+        raise BadRequest(problem)
+    return decoded
+
+
+def shortened(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, marked when cut."""
+    return text if len(text) <= limit else f"{text[: limit - 1]}…"
 
 
 def error_body(code: str, message: str) -> bytes:
@@ -38,24 +90,39 @@ def error_body(code: str, message: str) -> bytes:
 
 async def respond_error(request: Request, code: str, message: str) -> None:
     """Reply with the error body and the ``Nats-Service-Error(-Code)`` headers."""
-    # Header values cannot carry line breaks.
+    message = shortened(message, MAX_ERROR_MESSAGE_CHARS)
+    # Header values cannot carry line breaks (nor, safely, any other control character).
+    header = "".join(" " if ord(c) < 32 or ord(c) == 127 else c for c in message)
     await request.respond_error(
-        code, message.replace("\r", " ").replace("\n", " "), data=error_body(code, message)
+        code, shortened(header, MAX_ERROR_HEADER_CHARS), data=error_body(code, message)
     )
+
+
+def _failure(exc: Exception) -> tuple[str, str]:
+    """The code and message of the error reply to a handler's exception."""
+    if isinstance(exc, CoordinatorError):
+        return exc.code, exc.message
+    if isinstance(exc, InvalidId):
+        # An id that cannot be a subject token: the request's fault, whichever check found it.
+        return exc.code, str(exc)
+    return "internal", shortened(f"{type(exc).__name__}: {exc}", 200)
 
 
 async def add_endpoint(
     service: Service, name: str, subject: str, handler: Handler, tasks: TaskSet
 ) -> None:
-    """Serve ``subject`` with ``handler(body) -> reply``; a `CoordinatorError` is an error reply.
+    """Serve ``subject`` with ``handler(body) -> reply``; a `CoordinatorError` (or an
+    `InvalidId`) is an error reply with its code, any other exception ``internal``.
 
     Each request is handled in a span named ``name``, continuing the caller's trace when the
-    request carries a ``traceparent`` header.
+    request carries a ``traceparent`` header. A reply over the server's ``max_payload`` is
+    the error ``too_large``; a request without a reply subject gets no answer.
     """
 
     async def run(request: Request) -> None:
         # nats.micro's Request does not expose the reply subject; its message does.
-        reply_subject.set(request._msg.reply or "")
+        reply_to = request._msg.reply or ""
+        reply_subject.set(reply_to)
         with tracer.start_as_current_span(
             name,
             context=extract_context(request.headers),
@@ -64,15 +131,28 @@ async def add_endpoint(
         ) as span:
             try:
                 reply = await handler(request.data)
-            except CoordinatorError as exc:
-                span.set_attribute("coordinator.error_code", exc.code)
-                await respond_error(request, exc.code, exc.message)
             except Exception as exc:
-                log.exception("endpoint failed", endpoint=name)
-                span.set_status(trace.StatusCode.ERROR, repr(exc))
-                await respond_error(request, "internal", f"{type(exc).__name__}: {exc}")
+                code, message = _failure(exc)
+                if code == "internal":
+                    log.exception("endpoint failed", endpoint=name)
+                    span.set_status(trace.StatusCode.ERROR, repr(exc))
+                span.set_attribute("coordinator.error_code", code)
             else:
-                await request.respond(reply)
+                if not reply_to:
+                    return
+                try:
+                    await request.respond(reply)
+                    return
+                except nats.errors.MaxPayloadError:
+                    code = TooLarge.code
+                    message = f"the reply is {len(reply)} bytes, over the NATS server's max_payload"
+                span.set_attribute("coordinator.error_code", code)
+            if not reply_to:
+                return
+            try:
+                await respond_error(request, code, message)
+            except Exception as exc:  # the connection, most likely: nobody left to tell
+                log.warning("error reply failed", endpoint=name, code=code, error=repr(exc))
 
     async def on_request(request: Request) -> None:
         tasks.spawn(run(request), name=f"{name}-request")

@@ -13,33 +13,50 @@ from typing import TypeVar
 import msgspec
 
 from schemas.queries import TaskQuery
+from schemas.route import MAX_QUERY_ITEMS, count_problem
 from schemas.stats import ExcludeRequest
 from schemas.subjects import InvalidId, check_token
+from services.runtime.endpoints import decode_body
 from services.runtime.errors import BadRequest
 
 W = TypeVar("W", bound=msgspec.Struct)
 
 
 def decode_request(body: bytes, kind: type[W], what: str) -> W:
-    """Decode a request body (empty means ``{}``); every refusal is a `BadRequest`."""
-    try:
-        return msgspec.json.decode(body or b"{}", type=kind)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid {what}: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+    """Decode a request body (empty means ``{}``); every refusal is a `BadRequest`
+    (`decode_body`, `check_fields`)."""
+    request = decode_body(body or b"{}", kind, what)
+    check_fields(request)
+    return request
+
+
+def check_fields(request: msgspec.Struct) -> None:
+    """Raise `BadRequest` for a field PostgreSQL would refuse or that would cost a query per
+    entry beyond reason: a text holding NUL (PostgreSQL's text cannot), a list of more than
+    `MAX_QUERY_ITEMS` entries."""
+    for name in request.__struct_fields__:
+        value = getattr(request, name)
+        values = value if isinstance(value, list) else [value]
+        problem = count_problem(name, len(values), MAX_QUERY_ITEMS)
+        if problem is not None:
+            raise BadRequest(problem)
+        if any(isinstance(text, str) and "\x00" in text for text in values):
+            raise BadRequest(f"{name} must not hold NUL characters (PostgreSQL cannot store them)")
 
 
 def parse_task_query(body: bytes) -> TaskQuery:
-    """Decode a ``coordinator.task`` request; every refusal is a `BadRequest`."""
+    """Decode a ``coordinator.task`` request; every refusal is a `BadRequest`. A task id is
+    a subject token (`schemas.subjects.task_event`), so anything else names no task."""
     try:
-        query = msgspec.json.decode(body, type=TaskQuery)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f'invalid task query (expected {{"task_id": "..."}}): {exc}') from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"task query is not valid JSON: {exc}") from None
+        query = decode_body(body, TaskQuery, "task query")
+    except BadRequest as exc:
+        raise BadRequest(f'{exc.message} (expected {{"task_id": "..."}})') from None
     if not query.task_id.strip():
         raise BadRequest("task_id must not be empty")
+    try:
+        check_token("task_id", query.task_id)
+    except InvalidId as exc:
+        raise BadRequest(str(exc)) from None
     return query
 
 
