@@ -225,7 +225,8 @@ class Stack:
             self._check_alive()
             with contextlib.suppress(Exception):
                 reply = await self.nc.request(WORKERS, b"{}", timeout=1.0)
-                live = _workers_decoder.decode(reply.data).workers
+                # A starting worker holds its lease before it lists its models.
+                live = [w for w in _workers_decoder.decode(reply.data).workers if w.models]
                 if len(live) == self.workers and (not self.with_stats or await self._stats_up()):
                     return
             if time.monotonic() > deadline:

@@ -137,7 +137,9 @@ async def workers_live(nc: Client, count: int, timeout_s: float = 20.0) -> list[
             body, _ = await request(nc, "coordinator.workers", {}, timeout_s=2.0)
         except Exception:
             return None
-        workers: list[dict[str, Any]] = body["workers"]
+        # A starting worker holds its lease before its models have passed their sanity runs:
+        # it is live when it lists them.
+        workers: list[dict[str, Any]] = [w for w in body["workers"] if w.get("models")]
         return workers if len(workers) >= count else None
 
     result: list[dict[str, Any]] = await eventually(check, timeout_s=timeout_s)

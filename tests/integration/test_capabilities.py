@@ -70,7 +70,9 @@ async def records(nc: Client, count: int, *, router: bool = True) -> dict[str, W
         for key in keys:
             entry = await kv.get(key)
             found[key] = msgspec.json.decode(entry.value or b"", type=WorkerRecord)
-        return found if len(found) >= count else None
+        # Registered with its models (a starting worker holds its lease with none yet).
+        ready = len(found) >= count and all(record.models for record in found.values())
+        return found if ready else None
 
     result: dict[str, WorkerRecord] = await eventually(read, timeout_s=20)
     if router:

@@ -36,6 +36,13 @@ async def route(nc: Client, **fields: Any) -> dict[str, Any]:
     return body
 
 
+async def registered(nc: Client) -> dict[str, WorkerRecord] | None:
+    """The registry once every entry lists its models (a starting worker holds its lease
+    before its sanity runs, with none); None until then."""
+    records = await registry(nc)
+    return records if records and all(r.models for r in records.values()) else None
+
+
 async def registry(nc: Client) -> dict[str, WorkerRecord]:
     """The ``workers`` bucket as it is now (empty before anyone created it)."""
     try:
@@ -61,7 +68,7 @@ async def test_registration_carries_identity_capabilities_models_and_wake_addres
         worker_models=[MODEL],
         wol_mac="aa:bb:cc:dd:ee:ff",
     )
-    records = await eventually(lambda: registry(nc))
+    records = await eventually(lambda: registered(nc))
 
     record = records["mac"]
     assert record.host == "host-mac"
@@ -88,7 +95,7 @@ async def test_a_worker_whose_lease_is_taken_over_stops_pulling_and_exits(
     nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
 ) -> None:
     worker = runner.worker(nats_server.url, ollama.url, "cpu-1")
-    records = await eventually(lambda: registry(nc))
+    records = await eventually(lambda: registered(nc))
     kv = await nc.jetstream().key_value("workers")
 
     usurper = msgspec.structs.replace(records["cpu-1"], instance_id="other", host="elsewhere")
@@ -111,7 +118,7 @@ async def test_a_killed_workers_lease_frees_itself_after_its_ttl(
         WORKER_TTL_S="2",
     )
     first = processes.start([COORDINATOR, "worker"], env)
-    await eventually(lambda: registry(nc))
+    await eventually(lambda: registered(nc))
     first.send_signal(signal.SIGKILL)
     await asyncio.to_thread(first.wait)
     assert "cpu-1" in await registry(nc)  # nobody said goodbye

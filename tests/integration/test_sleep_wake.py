@@ -139,7 +139,9 @@ async def workers_live_direct(nc: Client) -> None:
     async def registered() -> bool:
         try:
             kv = await nc.jetstream().key_value("workers")
-            return bool((await kv.get("box")).value)
+            # Listing its models: past its sanity runs, not only holding its lease.
+            entry = await kv.get("box")
+            return bool(msgspec.json.decode(entry.value or b"{}").get("models"))
         except Exception:
             return False
 
