@@ -39,6 +39,46 @@ class LoopSettings:
     wol_mac: str | None = None
 
 
+class WorkerIdentity(Protocol):
+    """What every kind's settings share with the loop (`WorkerSettings`, `WebSearchSettings`)."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def worker_host(self) -> str: ...
+    @property
+    def heartbeat_interval_s(self) -> float: ...
+    @property
+    def worker_ttl_s(self) -> float: ...
+    @property
+    def ack_wait_s(self) -> float: ...
+    @property
+    def stop_grace_s(self) -> float: ...
+
+
+def loop_settings(
+    settings: WorkerIdentity,
+    *,
+    wrap_up_s: float | None = None,
+    runs_twice: bool = True,
+    sleep: SleepPolicy | None = None,
+    wol_mac: str | None = None,
+) -> LoopSettings:
+    """The loop's settings: the shared ones from the kind's settings, and the kind's policy."""
+    return LoopSettings(
+        worker_id=settings.worker_id,
+        host=settings.worker_host,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        worker_ttl_s=settings.worker_ttl_s,
+        ack_wait_s=settings.ack_wait_s,
+        stop_grace_s=settings.stop_grace_s,
+        wrap_up_s=wrap_up_s,
+        runs_twice=runs_twice,
+        sleep=sleep,
+        wol_mac=wol_mac,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Attempt:
     """One claimed task, as a kind's `Kind.run` gets it."""

@@ -39,7 +39,7 @@ from services.runtime.bus import connect
 from services.runtime.consumers import WEB_POOL, Queue
 from services.runtime.errors import BackendError, BackendTimeout, SearchError, WorkerStopping
 from services.runtime.settings import WebSearchSettings
-from services.runtime.taskkind import Attempt, LoopSettings
+from services.runtime.taskkind import Attempt, LoopSettings, loop_settings
 from services.runtime.taskloop import TaskLoop
 from services.web_search.searxng import SearxngClient
 from services.web_search.summary import (
@@ -261,18 +261,9 @@ async def _unless_cut(cut_event: asyncio.Event, step_work: Awaitable[T], why: Wo
                 await work
 
 
-def loop_settings(settings: WebSearchSettings) -> LoopSettings:
+def web_loop_settings(settings: WebSearchSettings) -> LoopSettings:
     """The task loop's part: never run twice, and at a stop a task records what it has."""
-    return LoopSettings(
-        worker_id=settings.worker_id,
-        host=settings.worker_host,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        worker_ttl_s=settings.worker_ttl_s,
-        ack_wait_s=settings.ack_wait_s,
-        stop_grace_s=settings.stop_grace_s,
-        wrap_up_s=WRAP_UP_S,
-        runs_twice=False,
-    )
+    return loop_settings(settings, wrap_up_s=WRAP_UP_S, runs_twice=False)
 
 
 def _ms_since(began: float) -> float:
@@ -299,7 +290,7 @@ async def run(settings: WebSearchSettings, stop: asyncio.Event) -> None:
     kind = WebSearch(settings, searxng, backend)
     try:
         await kind.check_dependencies(nc)
-        await TaskLoop(nc, kind, loop_settings(settings)).run(stop)
+        await TaskLoop(nc, kind, web_loop_settings(settings)).run(stop)
     finally:
         await searxng.aclose()
         await backend.aclose()

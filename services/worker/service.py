@@ -30,7 +30,7 @@ from services.runtime.consumers import CPU_POOL, Queue
 from services.runtime.errors import BackendError, BackendUnavailable, ConfigError
 from services.runtime.settings import WorkerSettings
 from services.runtime.sleep import SleepPolicy
-from services.runtime.taskkind import Attempt, LoopSettings
+from services.runtime.taskkind import Attempt, LoopSettings, loop_settings
 from services.runtime.taskloop import TaskLoop
 
 log = structlog.get_logger("worker")
@@ -271,15 +271,11 @@ class Inference:
         )
 
 
-def loop_settings(settings: WorkerSettings) -> LoopSettings:
-    """The task loop's part of a worker's settings: a task goes back to its queue at a stop."""
-    return LoopSettings(
-        worker_id=settings.worker_id,
-        host=settings.worker_host,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        worker_ttl_s=settings.worker_ttl_s,
-        ack_wait_s=settings.ack_wait_s,
-        stop_grace_s=settings.stop_grace_s,
+def inference_loop_settings(settings: WorkerSettings) -> LoopSettings:
+    """The task loop's part of a worker's settings: a task goes back to its queue at a stop,
+    and an idle worker may sleep."""
+    return loop_settings(
+        settings,
         sleep=SleepPolicy(
             idle_shutdown_s=settings.idle_shutdown_sec,
             min_uptime_s=settings.min_uptime_sec,
@@ -294,7 +290,8 @@ async def serve(
     nc: Client, settings: WorkerSettings, backend: Backend, stop: asyncio.Event
 ) -> None:
     """Run the inference kind on the task loop until ``stop`` (raises `LeaseLost` if taken over)."""
-    await TaskLoop(nc, Inference(nc, settings, backend), loop_settings(settings)).run(stop)
+    kind = Inference(nc, settings, backend)
+    await TaskLoop(nc, kind, inference_loop_settings(settings)).run(stop)
 
 
 async def run(settings: WorkerSettings, stop: asyncio.Event) -> None:

@@ -15,7 +15,7 @@ from services.runtime.consumers import bind
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.settings import WorkerSettings
 from services.runtime.taskloop import Source, TaskLoop
-from services.worker.service import Inference, loop_settings
+from services.worker.service import Inference, inference_loop_settings
 
 
 async def main(stop: asyncio.Event) -> None:
@@ -30,7 +30,7 @@ async def main(stop: asyncio.Event) -> None:
     )
     kind = Inference(nc, settings, backend)
     kind.served = await kind.discover_models(stop)
-    loop = TaskLoop(nc, kind, loop_settings(settings))
+    loop = TaskLoop(nc, kind, inference_loop_settings(settings))
     loop.runner.registry = await ensure_streams(loop.js, worker_ttl_s=settings.worker_ttl_s)
     own = kind.queues()[0]
     source = Source(own, await bind(loop.js, own, settings.ack_wait_s))
