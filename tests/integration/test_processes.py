@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 from nats.aio.client import Client
 
 from devtools.fakes.ollama import FakeOllama
@@ -62,10 +63,13 @@ async def workers_live_via_kv(nc: Client, worker_id: str) -> None:
     for _ in range(200):
         try:
             kv = await nc.jetstream().key_value("workers")
-            await kv.get(worker_id)
-            return
+            entry = await kv.get(worker_id)
+            # Listing its models: past its sanity runs, not only holding its lease.
+            if msgspec.json.decode(entry.value or b"{}").get("models"):
+                return
         except Exception:
-            await asyncio.sleep(0.1)
+            pass
+        await asyncio.sleep(0.1)
     raise AssertionError(f"worker {worker_id} never registered (bucket: {kv})")
 
 
