@@ -91,15 +91,20 @@ class OllamaBackend:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout(None), proxy=self._proxy[0], proxy_auth=self._proxy[1]
+                timeout=self._timeout(None),
+                proxy=self._proxy[0],
+                proxy_auth=self._proxy[1],
+                # Ollama sets no cookies; a jar would be consulted on every request.
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
 
     def _timeout(self, read_timeout_s: float | None) -> aiohttp.ClientTimeout:
-        """No overall deadline (the caller's `asyncio.timeout` is it): one for the
-        connection, and ``read_timeout_s`` between two reads."""
+        """No overall deadline (the caller's `asyncio.timeout` is it): one for making a new
+        connection (``sock_connect``: a kept-alive one taken from the pool arms no timer),
+        and ``read_timeout_s`` between two reads."""
         return aiohttp.ClientTimeout(
-            total=None, connect=self._connect_timeout_s, sock_read=read_timeout_s
+            total=None, sock_connect=self._connect_timeout_s, sock_read=read_timeout_s
         )
 
     async def _get(self, path: str) -> tuple[int, bytes]:
@@ -179,7 +184,10 @@ class OllamaBackend:
             if reply.status != 200:
                 text = (await reply.read()).decode(errors="replace")
                 raise BackendError(f"Ollama answered HTTP {reply.status}: {error_text(text)}")
-            generation = await self._read(_lines(reply), started, progress, on_chunk)
+            lines = _lines(reply)
+            generation = await self._read(lines, started, progress, on_chunk)
+            if not reply.content.at_eof():
+                await drain(lines)  # to the body's end: the connection is kept
         except BaseException:
             reply.close()  # given up midway (a cancel among others): Ollama stops generating
             raise
@@ -223,9 +231,7 @@ class OllamaBackend:
             if progress is not None:
                 await progress()
             if chunk.done:
-                wall_ms = (time.perf_counter() - started) * 1000
-                await drain(lines)  # to the body's end: the connection is kept
-                return answer.generation(chunk, wall_ms)
+                return answer.generation(chunk, (time.perf_counter() - started) * 1000)
         raise BackendError("Ollama closed the stream before the final chunk")
 
     async def embed(
