@@ -1,7 +1,9 @@
 """Facts in the ``EVENTS`` stream, as tagged unions per subject family.
 
-``events.task.<task_id>.<kind>`` carries `TaskEvent`; ``events.worker.<worker_id>.<kind>``
-carries `WorkerEvent`; there the tag (``type``) equals the subject's last token.
+``events.task.<task_id>.<kind>`` (the router's and the reaper's) and
+``events.task.<task_id>.<worker>.<kind>`` (a worker's own: `subject_for`) carry `TaskEvent`;
+``events.worker.<worker_id>.<kind>`` carries `WorkerEvent`; there the tag (``type``) equals
+the subject's last token.
 ``events.stats.<family>.<kind>`` carries `StatsEvent`, ``events.quality.<task_id>.scored``
 `QualityEvent` and ``events.bench.<run_id>.<kind>`` `BenchEvent`; their tags name the family
 too (``alias_set``, ``quality_scored``, ``bench_result``), since every tag must be unique
@@ -272,10 +274,16 @@ def kind_of(event: Event) -> str:
     return str(type(event).__struct_config__.tag)
 
 
-def subject_for(event: AnyEvent) -> str:
-    """The ``EVENTS`` subject an event is published on."""
+def subject_for(event: AnyEvent, by: str | None = None) -> str:
+    """The ``EVENTS`` subject an event is published on. A task's ``started`` and ``completed``
+    come from the worker they name, on its own subject; a ``failed`` on the subject of the
+    worker ``by`` that records it, or (``by`` None) on the router's and reaper's."""
     match event:
-        case TaskSubmitted() | TaskRouted() | TaskStarted() | TaskCompleted() | TaskFailed():
+        case TaskStarted() | TaskCompleted():
+            return task_event(event.task_id, kind_of(event), by or event.worker)
+        case TaskFailed():
+            return task_event(event.task_id, kind_of(event), by)
+        case TaskSubmitted() | TaskRouted():
             return task_event(event.task_id, kind_of(event))
         case (
             WorkerRegistered()

@@ -121,9 +121,29 @@ def worker_queue_filter(worker_id: str) -> str:
     return f"tasks.*.{check_worker_id(worker_id)}"
 
 
-def task_event(task_id: str, kind: str) -> str:
-    """``events.task.<task_id>.<kind>``: one subject per task makes its history one read."""
-    return f"events.task.{check_token('task id', task_id)}.{check_token('event kind', kind)}"
+def task_event(task_id: str, kind: str, worker: str | None = None) -> str:
+    """``events.task.<task_id>.<kind>``: one subject prefix per task makes its history one read.
+
+    With ``worker``, ``events.task.<task_id>.<worker>.<kind>``: the subject of a worker's own
+    events (``started``, ``completed``, ``failed``), which the NATS server lets each worker
+    publish only under its own id (`services.fleet.binding`). Without, the router's and the
+    reaper's (``submitted``, ``routed``, ``failed``)."""
+    task, what = check_token("task id", task_id), check_token("event kind", kind)
+    if worker is None:
+        return f"events.task.{task}.{what}"
+    return f"events.task.{task}.{check_token('worker id', worker)}.{what}"
+
+
+def workers_task_event(task_id: str, kind: str) -> str:
+    """``events.task.<task_id>.*.<kind>``: that kind of the task's events from any worker."""
+    return f"events.task.{check_token('task id', task_id)}.*.{check_token('event kind', kind)}"
+
+
+def task_event_source(subject: str) -> str | None:
+    """The worker a task event's subject names (`task_event` with a worker), or None for
+    the router's and the reaper's subjects."""
+    parts = subject.split(".")
+    return parts[3] if len(parts) == 5 and parts[:2] == ["events", "task"] else None
 
 
 def chunk_subject(worker_id: str, task_id: str) -> str:

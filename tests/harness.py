@@ -19,6 +19,9 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
+from nats.js.api import RawStreamMsg
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from schemas.route import ErrorBody
 from services.router.service import run as run_router
@@ -113,6 +116,19 @@ async def request(
 
 def error_of(body: dict[str, Any]) -> ErrorBody:
     return msgspec.convert(body, ErrorBody)
+
+
+async def last_task_event(js: JetStreamContext, task_id: str, kind: str) -> RawStreamMsg:
+    """A task's latest stored ``kind`` event, whoever recorded it: a worker, on its own
+    subject (``events.task.<task>.<worker>.<kind>``), or the router or the reaper (``events.
+    task.<task>.<kind>``). Raises `NotFoundError` when there is none."""
+    found = []
+    for subject in (f"events.task.{task_id}.{kind}", f"events.task.{task_id}.*.{kind}"):
+        with suppress(NotFoundError):
+            found.append(await js.get_last_msg("EVENTS", subject))
+    if not found:
+        raise NotFoundError
+    return max(found, key=lambda msg: msg.seq or 0)
 
 
 async def eventually(

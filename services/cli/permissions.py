@@ -97,11 +97,22 @@ _ALIASES = [
 ]
 # A worker's reads of its tasks' events (services/runtime/outcomes.py: the current attempt,
 # an outcome already stored, who started it), by subject: never a prompt (``submitted``).
+# The router's and reaper's ``routed`` and ``failed``, and the workers' own events.
 _OUTCOME_READS = [
-    f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.task.*.{kind}"
-    for kind in ("routed", "started", "completed", "failed")
+    *(f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.task.*.{kind}" for kind in ("routed", "failed")),
+    *(
+        f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.task.*.*.{kind}"
+        for kind in ("started", "completed", "failed")
+    ),
 ]
-_TASK_OUTCOMES = [f"events.task.*.{kind}" for kind in ("started", "completed", "failed")]
+
+
+def _own_task_events(worker_id: str) -> list[str]:
+    """A worker's task events, on subjects that name it (`services.fleet.binding`): it cannot
+    record another worker's start or outcome, nor one as the router or the reaper."""
+    return [f"events.task.*.{worker_id}.{kind}" for kind in ("started", "completed", "failed")]
+
+
 # The registry: read any entry (a web worker checks whether another is alive), write one's own.
 _REGISTRY_READS = [
     f"$JS.API.STREAM.MSG.GET.{_kv(WORKERS_BUCKET)}",
@@ -141,7 +152,7 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 ),
                 f"$JS.ACK.{TASKS_STREAM}.{own}.>",
                 f"$JS.ACK.{TASKS_STREAM}.{SHARED_CONSUMER}.>",
-                *_TASK_OUTCOMES,
+                *_own_task_events(worker_id),
                 f"events.worker.{worker_id}.>",
                 f"$KV.{WORKERS_BUCKET}.{worker_id}",
                 f"$KV.{ASLEEP_BUCKET}.{worker_id}",
@@ -164,7 +175,7 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 f"$JS.API.CONSUMER.INFO.{TASKS_STREAM}.{WEB_CONSUMER}",
                 f"$JS.API.CONSUMER.MSG.NEXT.{TASKS_STREAM}.{WEB_CONSUMER}",
                 f"$JS.ACK.{TASKS_STREAM}.{WEB_CONSUMER}.>",
-                *_TASK_OUTCOMES,
+                *_own_task_events(worker_id),
                 f"events.worker.{worker_id}.>",
                 f"$KV.{WORKERS_BUCKET}.{worker_id}",
                 *_REGISTRY_READS,
@@ -245,7 +256,9 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 f"$JS.ACK.{EVENTS_STREAM}.reaper.>",
                 "$JS.FC.>",
                 "tasks.>",
-                "events.task.>",
+                # Its own kinds only: a worker's subjects are the workers' own.
+                "events.task.*.routed",
+                "events.task.*.failed",
                 "events.worker.>",
                 *_KV_WATCH,
                 *_ALIASES,
@@ -310,7 +323,7 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 STATS_BASELINES,
                 *_stream_info(EVENTS_STREAM),
                 # By subject, and never a prompt: a bench run's answers, the judge's scores.
-                f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.task.*.completed",
+                f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.task.*.*.completed",
                 f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.quality.>",
                 "events.quality.>",
                 "events.bench.>",

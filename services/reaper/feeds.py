@@ -37,6 +37,7 @@ from schemas.subjects import (
     EVENTS_SUBJECTS,
     TASKS_STREAM,
     queue_consumer,
+    task_event_source,
     worker_consumer,
 )
 from schemas.workers import worker_record_decoder
@@ -163,7 +164,9 @@ class Feeds:
             return
         match event:
             case TaskSubmitted() | TaskRouted() | TaskStarted() | TaskCompleted() | TaskFailed():
-                self.view.apply(event)
+                problem = self.view.apply(event, task_event_source(msg.subject))
+                if problem is not None:
+                    log.warning("task event refused", task_id=event.task_id, problem=problem)
             case WorkerRegistered():
                 self.view.seen(event.worker_id, event.instance_id, event.host, event.at)
             case WorkerStopped():

@@ -14,12 +14,14 @@ from collections.abc import Awaitable, Iterable
 import structlog
 from nats.js import JetStreamContext
 
+from schemas.events import TaskCompleted, TaskFailed
+from services.fleet.binding import refusal
 from services.reaper.actions import Actions, QueueIndex, copies_up_to, queue_index
 from services.reaper.decisions import Fail, Move, decide
 from services.reaper.detectors import DuplicateFinding, TaskFinding
-from services.reaper.view import ReaperView, TaskTrack
+from services.reaper.view import ReaperView, TaskTrack, routing
 from services.runtime.errors import SubmissionLost
-from services.runtime.outcomes import current_attempt, stored_outcome
+from services.runtime.outcomes import Sourced, current_attempt, stored_outcome
 from services.runtime.settings import ReaperSettings
 
 log = structlog.get_logger("reaper")
@@ -165,7 +167,13 @@ class FindingHandler:
     async def _settled(self, task: TaskTrack) -> bool:
         """Has the task ended, or moved on, since the view last heard (events in transit)?"""
         after = task.attempt + 1 if task.status == "retry" else task.attempt
-        if await stored_outcome(self.js, task.task_id, max(after, 1)) is not None:
+
+        def accepted(sourced: Sourced) -> bool:
+            event, source = sourced
+            assert isinstance(event, TaskCompleted | TaskFailed)
+            return refusal(event, source, routing(task), self.view.supports) is None
+
+        if await stored_outcome(self.js, task.task_id, max(after, 1), accepted) is not None:
             return True
         current = await current_attempt(self.js, task.task_id)
         return current is not None and current > task.attempt

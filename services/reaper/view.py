@@ -13,6 +13,7 @@ nothing, one of a higher attempt starts that attempt.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal, assert_never
 
@@ -27,6 +28,7 @@ from schemas.events import (
 from schemas.route import TaskType
 from schemas.tasks import is_retryable, needs_of
 from schemas.workers import WorkerRecord
+from services.fleet.binding import refusal
 
 TaskStatus = Literal["unrouted", "queued", "running", "retry", "ended"]
 """``unrouted``: submitted, never routed. ``retry``: a worker ran the current attempt and
@@ -150,6 +152,14 @@ def track(state: TaskTrack | None, event: TaskEvent) -> TaskTrack:
             assert_never(event)
 
 
+def routing(state: TaskTrack | None) -> tuple[int, str | None] | None:
+    """The task's latest routed attempt and where to (`services.fleet.binding.refusal`); None
+    before any ``routed`` is known."""
+    if state is None or state.attempt == 0:
+        return None
+    return state.attempt, state.worker
+
+
 def _moves_on(current: TaskTrack, failed: TaskFailed) -> bool:
     """A retryable failure reported by the worker that was running the attempt, of a task kind
     that may run again: the reaper moves it on. (The router's own failures name no runner.)"""
@@ -250,11 +260,22 @@ class ReaperView:
     consumers: dict[str, ConsumerHistory] = field(default_factory=dict)
     instances: dict[str, dict[str, Instance]] = field(default_factory=dict)
 
-    def apply(self, event: TaskEvent) -> TaskTrack:
-        """Fold one task event into the view."""
-        after = track(self.tasks.get(event.task_id), event)
-        self.tasks[event.task_id] = after
-        return after
+    def apply(self, event: TaskEvent, source: str | None = None) -> str | None:
+        """Fold one task event, recorded by the worker ``source`` (None: by the router or the
+        reaper), into the view. A worker's event it may not record (`services.fleet.binding`)
+        changes nothing: returns why."""
+        before = self.tasks.get(event.task_id)
+        if isinstance(event, TaskStarted | TaskCompleted | TaskFailed):
+            problem = refusal(event, source, routing(before), self.supports)
+            if problem is not None:
+                return problem
+        self.tasks[event.task_id] = track(before, event)
+        return None
+
+    def supports(self, worker_id: str) -> Collection[str] | None:
+        """What a registered worker supports; None for one not registered now."""
+        record = self.workers.get(worker_id)
+        return None if record is None else record.supports
 
     def put_worker(self, record: WorkerRecord) -> None:
         self.workers[record.worker_id] = record

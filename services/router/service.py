@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
@@ -46,11 +46,13 @@ from schemas.subjects import (
     InvalidId,
     cancel_notice,
     task_event,
+    task_event_source,
 )
 from schemas.tasks import is_retryable
 from schemas.workers import worker_record_decoder
 from services import __version__
 from services.fleet import liveness
+from services.fleet.binding import refusal
 from services.router.decide import Plan, Submission, decide, submission
 from services.router.ending import wait_for_end
 from services.router.listing import Problems, workers_reply
@@ -139,8 +141,12 @@ class Router:
         # Only the kinds routing needs: `submitted` (the largest event) and `started` would be
         # two more deliveries per task. A woken worker's `started` is asked for per task.
         self._event_subs = [
-            await self.nc.subscribe(f"events.task.*.{kind}", cb=self._on_task_event)
-            for kind in ("routed", *TERMINAL_KINDS)
+            await self.nc.subscribe(subject, cb=self._on_task_event)
+            for subject in (
+                "events.task.*.routed",
+                "events.task.*.failed",  # the router's and the reaper's
+                *(f"events.task.*.*.{kind}" for kind in TERMINAL_KINDS),  # the workers'
+            )
         ]
         self._problems_sub = await self.nc.subscribe(
             "events.worker.*.duplicate", cb=self._on_duplicate
@@ -207,14 +213,25 @@ class Router:
         except msgspec.DecodeError:
             return
         waiter = self._waiters.get(event.task_id)
+        source = task_event_source(msg.subject)
         if isinstance(event, TaskRouted):
             self.view.routed(event.task_id, event.worker, event.at)
             if waiter is not None:
-                waiter.routed(event.attempt)
+                for refused in await waiter.routed(event.attempt, event.worker):
+                    log.warning("outcome refused", task_id=event.task_id, problem=refused)
         elif isinstance(event, TaskCompleted | TaskFailed):
-            self.view.ended(event.task_id)
+            problem: str | None
             if waiter is not None:
-                await waiter.ended(event)  # an older attempt's outcome is stale: ignored
+                # An older attempt's outcome is stale: ignored.
+                problem = await waiter.ended(event, source)
+            else:
+                routed = self.view.inflight.get(event.task_id)
+                where = None if routed is None else (event.attempt, routed[0])
+                problem = refusal(event, source, where, self.supports)
+            if problem is not None:
+                log.warning("outcome refused", task_id=event.task_id, problem=problem)
+                return
+            self.view.ended(event.task_id)
 
     async def _on_duplicate(self, msg: Msg) -> None:
         try:
@@ -222,6 +239,11 @@ class Router:
         except msgspec.DecodeError:
             return
         self.problems.report(event.worker_id, f"duplicate_consumer: {event.reason}", time.time())
+
+    def supports(self, worker_id: str) -> Collection[str] | None:
+        """What a registered worker (awake or asleep) supports; None for one not registered."""
+        record = self.view.workers.get(worker_id) or self.view.sleepers.get(worker_id)
+        return None if record is None else record.supports
 
     def resolve_model(self, asked: str) -> str:
         """The canonical name a request for ``asked`` is routed as: aliases applied, and a
@@ -305,11 +327,14 @@ class Router:
         tracking = _Tracking()
         if task.plan.waking is not None:
             tracking.started = await self.nc.subscribe(
-                task_event(task.task_id, "started"), max_msgs=1
+                task_event(task.task_id, "started", task.plan.waking.worker_id), max_msgs=1
             )
         if task.waits:
             tracking.waiter = Waiter(
-                retryable_kind=is_retryable(task.request.task_type), moves_on=self.reaper.runs
+                retryable_kind=is_retryable(task.request.task_type),
+                moves_on=self.reaper.runs,
+                routed_to=task.decision.worker_id,
+                supports=self.supports,
             )
             self._waiters[task.task_id] = tracking.waiter
             tracking.waiting_on = reply_subject.get()
@@ -365,7 +390,7 @@ class Router:
         """The task's outcome, allowing its timeout, a woken worker's wake and a margin."""
         wake_s = self.settings.wake_wait_s if task.plan.waking is not None else 0.0
         budget_s = task.timeout_s + wake_s + WAIT_MARGIN_S
-        return await wait_for_end(self.js, task.task_id, waiter.future, budget_s)
+        return await wait_for_end(self.js, task.task_id, waiter, budget_s)
 
     # -- cancel --------------------------------------------------------------------------------
 

@@ -396,8 +396,11 @@ async def publish_event(
     msg_id: str | None = None,
     headers: dict[str, str] | None = None,
     expect_last: tuple[str, int] | None = None,
+    by: str | None = None,
 ) -> Any:
     """Store one event; returns the stream's acknowledgement (raises if it was not stored).
+
+    ``by``: the worker recording a task's failure, on its own subject (`subject_for`).
 
     ``expect_last`` = (subject, sequence) stores it only while ``sequence`` is the last message
     on ``subject`` (needs `fences_by_subject`); otherwise the publish is refused with an
@@ -410,4 +413,6 @@ async def publish_event(
     if expect_last is not None:
         all_headers["Nats-Expected-Last-Subject-Sequence"] = str(expect_last[1])
         all_headers["Nats-Expected-Last-Subject-Sequence-Subject"] = expect_last[0]
-    return await js.publish(subject_for(event), encoder.encode(event), headers=all_headers or None)
+    return await js.publish(
+        subject_for(event, by), encoder.encode(event), headers=all_headers or None
+    )

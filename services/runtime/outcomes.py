@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from types import TracebackType
 from typing import Self
@@ -24,12 +25,13 @@ from nats.js.errors import NotFoundError
 from schemas.events import (
     TERMINAL_KINDS,
     TaskCompleted,
+    TaskEvent,
     TaskFailed,
     TaskRouted,
     TaskStarted,
     task_event_decoder,
 )
-from schemas.subjects import EVENTS_STREAM, task_event
+from schemas.subjects import EVENTS_STREAM, task_event, task_event_source, workers_task_event
 from schemas.tasks import TaskMessage
 from services.runtime.bus import fences_by_subject, is_wrong_last_sequence, publish_event
 
@@ -39,24 +41,31 @@ log = structlog.get_logger("outcomes")
 OUTCOME_PUBLISH_TRIES = 5
 
 
-def outcome_msg_id(task_id: str, attempt: int) -> str:
-    """One id for every outcome of one attempt: JetStream keeps the first, drops the others."""
-    return f"{task_id}:{attempt}:outcome"
+def outcome_msg_id(task_id: str, attempt: int, by: str | None = None) -> str:
+    """One id for the outcomes one recorder (a worker ``by``, or the router and reaper) gives
+    one attempt: JetStream keeps the first, drops the others. Per recorder, so that nobody's
+    outcome can take the place of another's (readers keep an attempt's first accepted one)."""
+    return f"{task_id}:{attempt}:outcome" if by is None else f"{task_id}:{attempt}:outcome:{by}"
 
 
 async def store_outcome(
     js: JetStreamContext,
     outcome: TaskCompleted | TaskFailed,
     *,
+    by: str | None = None,
     tries: int = OUTCOME_PUBLISH_TRIES,
     first_delay_s: float = 0.2,
 ) -> None:
-    """Publish ``outcome`` with its attempt's message id, retrying with backoff; raise at last."""
+    """Publish ``outcome`` with its attempt's message id, retrying with backoff; raise at last.
+    ``by``: the worker recording it, on its own subject (None: the router or the reaper)."""
     delay = first_delay_s
     for attempt in range(tries):
         try:
             await publish_event(
-                js, outcome, msg_id=outcome_msg_id(outcome.task_id, outcome.attempt)
+                js,
+                outcome,
+                msg_id=outcome_msg_id(outcome.task_id, outcome.attempt, by),
+                by=by,
             )
             return
         except Exception as exc:
@@ -69,8 +78,9 @@ async def store_outcome(
             delay *= 2
 
 
-async def last_on(js: JetStreamContext, subject: str) -> bytes | None:
-    """The last message on ``subject`` in ``EVENTS`` (None when there is none).
+async def last_stored(js: JetStreamContext, subject: str) -> tuple[str, bytes] | None:
+    """The last message on ``subject`` (wildcards allowed) in ``EVENTS``, as (its subject, its
+    data); None when there is none.
 
     A direct get names the subject in the API subject
     (``$JS.API.DIRECT.GET.EVENTS.<subject>``), so a worker's NATS user may read its tasks'
@@ -83,21 +93,57 @@ async def last_on(js: JetStreamContext, subject: str) -> bytes | None:
             stored = await js.get_last_msg(EVENTS_STREAM, subject)
     except NotFoundError:
         return None
-    return stored.data or b""
+    return stored.subject or subject, stored.data or b""
+
+
+async def last_on(js: JetStreamContext, subject: str) -> bytes | None:
+    """The data of the last message on ``subject`` in ``EVENTS`` (`last_stored`)."""
+    stored = await last_stored(js, subject)
+    return None if stored is None else stored[1]
+
+
+# A task event as stored, with the worker its subject names (None: the router's or reaper's).
+Sourced = tuple[TaskEvent, str | None]
+
+
+async def last_task_events(js: JetStreamContext, task_id: str, kind: str) -> list[Sourced]:
+    """The task's last ``kind`` event from the router or reaper and the last from any worker
+    (`schemas.subjects.task_event`), each with its source."""
+    found: list[Sourced] = []
+    for subject in (task_event(task_id, kind), workers_task_event(task_id, kind)):
+        stored = await last_stored(js, subject)
+        if stored is not None:
+            found.append((task_event_decoder.decode(stored[1]), task_event_source(stored[0])))
+    return found
+
+
+async def stored_ends(js: JetStreamContext, task_id: str) -> list[Sourced]:
+    """The task's last outcome events of each kind and source (`last_task_events`)."""
+    return [e for kind in TERMINAL_KINDS for e in await last_task_events(js, task_id, kind)]
+
+
+def outcome_among(
+    ends: list[Sourced], attempt: int, accepted: Callable[[Sourced], bool]
+) -> TaskCompleted | TaskFailed | None:
+    """The outcome among ``ends`` of this attempt or a later one that ``accepted`` takes
+    (by `services.fleet.binding`), if there is one."""
+    for sourced in ends:
+        event = sourced[0]
+        if (
+            isinstance(event, TaskCompleted | TaskFailed)
+            and event.attempt >= attempt
+            and accepted(sourced)
+        ):
+            return event
+    return None
 
 
 async def stored_outcome(
-    js: JetStreamContext, task_id: str, attempt: int
+    js: JetStreamContext, task_id: str, attempt: int, accepted: Callable[[Sourced], bool]
 ) -> TaskCompleted | TaskFailed | None:
-    """The outcome stored for this attempt of the task or a later one, if there is one."""
-    for kind in TERMINAL_KINDS:
-        data = await last_on(js, task_event(task_id, kind))
-        if data is None:
-            continue
-        event = task_event_decoder.decode(data)
-        if isinstance(event, TaskCompleted | TaskFailed) and event.attempt >= attempt:
-            return event
-    return None
+    """The outcome stored for this attempt of the task or a later one that ``accepted`` takes,
+    if there is one (`stored_ends`, `outcome_among`)."""
+    return outcome_among(await stored_ends(js, task_id), attempt, accepted)
 
 
 async def current_attempt(js: JetStreamContext, task_id: str) -> int | None:
@@ -154,14 +200,15 @@ async def claim(nc: Client, js: JetStreamContext, started: TaskStarted, task: Ta
             log.warning("storing the started event failed; trying again", error=repr(exc))
 
 
-async def last_started(js: JetStreamContext, task_id: str, attempt: int) -> TaskStarted | None:
-    """The latest ``started`` of this attempt: who began it, on which host, when."""
-    data = await last_on(js, task_event(task_id, "started"))
-    if data is None:
+async def last_started(js: JetStreamContext, task_id: str, attempt: int) -> Sourced | None:
+    """The latest ``started`` of this attempt, with the worker whose subject it is on: who
+    began it, on which host, when."""
+    stored = await last_stored(js, workers_task_event(task_id, "started"))
+    if stored is None:
         return None
-    event = task_event_decoder.decode(data)
+    event = task_event_decoder.decode(stored[1])
     if isinstance(event, TaskStarted) and event.attempt == attempt:
-        return event
+        return event, task_event_source(stored[0])
     return None
 
 

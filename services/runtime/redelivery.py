@@ -10,6 +10,7 @@ fail the task naming it.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from contextlib import suppress
 from typing import assert_never
 
@@ -20,12 +21,19 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from structlog.typing import FilteringBoundLogger
 
-from schemas.events import TaskFailed
+from schemas.events import TaskCompleted, TaskFailed, TaskStarted
 from schemas.tasks import TaskMessage
 from schemas.workers import WorkerRecord, worker_record_decoder
+from services.fleet.binding import refusal, routed_to_of_queue
 from services.fleet.takeover import Lost, Run, Wait, on_redelivery
 from services.runtime.errors import WorkerLost
-from services.runtime.outcomes import last_started, store_outcome, stored_outcome
+from services.runtime.outcomes import (
+    Sourced,
+    last_started,
+    outcome_among,
+    store_outcome,
+    stored_ends,
+)
 
 
 async def settled(
@@ -35,20 +43,44 @@ async def settled(
     bound: FilteringBoundLogger,
     registry: KeyValue,
     *,
+    worker_id: str,
     runs_twice: bool,
     worker_ttl_s: float,
 ) -> bool:
-    """True when the message is dealt with (acknowledged, returned, failed): nothing to run."""
+    """True when the message is dealt with (acknowledged, returned, failed): nothing to run.
+
+    Only events their recorder may give count (`services.fleet.binding`): the attempt was
+    routed where the message's queue says."""
     if msg.metadata.num_delivered == 1:
         return False
     try:
-        if await stored_outcome(js, task.task_id, task.attempt) is not None:
+        ends = await stored_ends(js, task.task_id)
+        supports = await _supports(registry, {source for _, source in ends if source})
+        routed_to = routed_to_of_queue(msg.subject)
+
+        def accepted(sourced: Sourced) -> bool:
+            event, source = sourced
+            assert isinstance(event, TaskCompleted | TaskFailed)
+            if event.attempt != task.attempt:
+                return True  # a later attempt's: this copy is stale either way
+            return refusal(event, source, (task.attempt, routed_to), supports.get) is None
+
+        if outcome_among(ends, task.attempt, accepted) is not None:
             bound.info("redelivered task had already ended; acknowledging")
             await msg.ack()
             return True
         if runs_twice:
             return False
-        return await _taken_over(js, registry, task, msg, bound=bound, worker_ttl_s=worker_ttl_s)
+        return await _taken_over(
+            js,
+            registry,
+            task,
+            msg,
+            bound=bound,
+            worker_id=worker_id,
+            routed_to=routed_to,
+            worker_ttl_s=worker_ttl_s,
+        )
     except Exception as exc:  # the bus is reconnecting: look again on the redelivery
         bound.warning("redelivered task not settled; returned to the queue", error=repr(exc))
         with suppress(Exception):
@@ -63,10 +95,23 @@ async def _taken_over(
     msg: Msg,
     *,
     bound: FilteringBoundLogger,
+    worker_id: str,
+    routed_to: str,
     worker_ttl_s: float,
 ) -> bool:
-    started = await last_started(js, task.task_id, task.attempt)
-    starter = await _registry_entry(registry, started.worker) if started is not None else None
+    found = await last_started(js, task.task_id, task.attempt)
+    started, starter = None, None
+    if found is not None:
+        event, source = found
+        assert isinstance(event, TaskStarted)
+        record = await _registry_entry(registry, source) if source is not None else None
+        supports: dict[str, Collection[str]] = {}
+        if record is not None:
+            supports[record.worker_id] = record.supports
+        if refusal(event, source, (task.attempt, routed_to), supports.get) is None:
+            started, starter = event, record
+        else:
+            bound.warning("a start recorded by a worker that may not is ignored", source=source)
     decision = on_redelivery(started, starter, now=time.time(), ttl_s=worker_ttl_s)
     match decision:
         case Run():
@@ -79,7 +124,8 @@ async def _taken_over(
             assert started is not None
             await store_outcome(
                 js,
-                TaskFailed(
+                by=worker_id,
+                outcome=TaskFailed(
                     at=time.time(),
                     task_id=task.task_id,
                     attempt=task.attempt,
@@ -94,6 +140,17 @@ async def _taken_over(
             return True
         case _:
             assert_never(decision)
+
+
+async def _supports(registry: KeyValue, workers: set[str]) -> dict[str, Collection[str]]:
+    """What each of ``workers`` supports, by its registry entry (a worker without one is
+    left out: it is no pool's member now)."""
+    found: dict[str, Collection[str]] = {}
+    for worker in workers:
+        record = await _registry_entry(registry, worker)
+        if record is not None:
+            found[worker] = record.supports
+    return found
 
 
 async def _registry_entry(registry: KeyValue, worker_id: str) -> WorkerRecord | None:

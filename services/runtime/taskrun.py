@@ -98,6 +98,7 @@ class TaskRunner:
             msg,
             bound,
             self.registry,
+            worker_id=self.settings.worker_id,
             runs_twice=self.settings.runs_twice,
             worker_ttl_s=self.settings.worker_ttl_s,
         ):
@@ -132,7 +133,7 @@ class TaskRunner:
                     bound.warning("stale attempt: the task was moved on; dropped")
                     await msg.term()
                     return False
-            await store_outcome(self.js, outcome)
+            await store_outcome(self.js, outcome, by=self.settings.worker_id)
         except Exception as exc:
             # The outcome could not be stored: return the task so it is not lost.
             bound.error("task not finished; returned to the queue", error=repr(exc))

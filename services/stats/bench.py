@@ -215,7 +215,7 @@ class Bench:
                 error=failure.summary,
                 error_code=failure.code,
             )
-        total_ms, load_ms = await self._durations(reply.task_id, wall_ms)
+        total_ms, load_ms = await self._durations(reply.task_id, worker, wall_ms)
         return Result(
             model,
             worker,
@@ -226,11 +226,14 @@ class Bench:
             task_id=reply.task_id,
         )
 
-    async def _durations(self, task_id: str, wall_ms: float) -> tuple[float, float | None]:
-        """The backend's own durations from the task's ``completed`` event."""
+    async def _durations(
+        self, task_id: str, worker: str, wall_ms: float
+    ) -> tuple[float, float | None]:
+        """The backend's own durations from the ``completed`` event of the worker the task
+        was sent to (its own subject: no other worker's can stand in for it)."""
         try:
             # By subject (a direct get): the jobs' user reads only these events, no prompt.
-            stored = await last_on(self.js, task_event(task_id, "completed"))
+            stored = await last_on(self.js, task_event(task_id, "completed", worker))
             if stored is None:
                 raise nats.js.errors.NotFoundError
             event = task_event_decoder.decode(stored)

@@ -26,9 +26,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import trace
 
 from schemas.events import AnyEvent, any_event_decoder, kind_of
-from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS, STATS_CONSUMER
+from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS, STATS_CONSUMER, task_event_source
 from services.runtime.errors import Unavailable, Unstorable
 from services.runtime.tracing import extract_context, spans_recorded
+from services.stats.projector import Item
 from services.stats.rows import FigureKey
 from services.stats.store import Store
 
@@ -143,7 +144,9 @@ class ProjectionConsumer:
         if not decoded:
             return True
         try:
-            projected = await self.store.apply_batch([(seq, event) for _, seq, event in decoded])
+            projected = await self.store.apply_batch(
+                [Item(seq, event, task_event_source(msg.subject)) for msg, seq, event in decoded]
+            )
         except Unavailable as exc:
             log.warning(
                 "database unavailable; events will be redelivered",
@@ -175,7 +178,9 @@ class ProjectionConsumer:
         for index, (msg, seq, event) in enumerate(decoded):
             with _bound(msg, seq, event):
                 try:
-                    projected = await self.store.apply_batch([(seq, event)])
+                    projected = await self.store.apply_batch(
+                        [Item(seq, event, task_event_source(msg.subject))]
+                    )
                 except Unstorable as exc:
                     log.error("event cannot be stored; terminated", error=exc.message)
                     self.counters.terminated += 1

@@ -39,6 +39,7 @@ from schemas.events import (
 )
 from schemas.queries import TaskView
 from schemas.route import UNKNOWN_FAILURE, ErrorDetail, TaskStatus
+from services.fleet.binding import routed_to_of_queue
 from services.fleet.domains import classify_domain
 from services.runtime.errors import Cancelled
 
@@ -102,6 +103,14 @@ class Outcome:
     eval_tokens: int | None
     first_token_ms: float | None
     ended_at: float
+
+
+def routing(state: TaskState | None) -> tuple[int, str | None] | None:
+    """The task's current attempt and where it was routed (`services.fleet.binding.refusal`);
+    None before its first ``routed``."""
+    if state is None or state.attempt == 0:
+        return None
+    return state.attempt, routed_to_of_queue(state.queue) if state.queue else None
 
 
 def evolve(state: TaskState | None, event: TaskEvent) -> TaskState:

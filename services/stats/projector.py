@@ -10,7 +10,9 @@ A batch is applied in stream order:
 1. The tracking rows ``('tasks', stream_seq)`` go in first; positions already there were
    applied before (a redelivery) and are skipped.
 2. Task events are folded into the task rows with the pure `projection.evolve`, in memory; an
-   attempt that ends adds a row to ``outcomes`` (model keyed by its canonical name).
+   attempt that ends adds a row to ``outcomes`` (model keyed by its canonical name). A
+   worker's event that its recorder may not give (`services.fleet.binding`: not where the
+   attempt was routed) is logged and changes nothing.
 3. Any other event first writes the pending task rows, so it sees the tables as they were at
    its position (`other_events`): worker events update ``workers_seen``; alias changes re-key
    ``outcomes`` and ``bench_results`` (old figures move to the canonical name); exclusions and
@@ -25,9 +27,11 @@ a rebuild alike.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
+
+import structlog
 
 from schemas.events import (
     AnyEvent,
@@ -36,10 +40,12 @@ from schemas.events import (
     TaskRouted,
     TaskStarted,
     TaskSubmitted,
+    WorkerRegistered,
 )
 from services.fleet.aliases import resolve
+from services.fleet.binding import refusal
 from services.stats.other_events import apply_other
-from services.stats.projection import Outcome, TaskState, evolve, outcome_of
+from services.stats.projection import Outcome, TaskState, evolve, outcome_of, routing
 from services.stats.rows import (
     TASK_COLUMNS,
     TASK_LOCK_SPACE,
@@ -51,7 +57,20 @@ from services.stats.rows import (
     state_from_row,
 )
 
+log = structlog.get_logger("stats")
+
 TASK_EVENTS = (TaskSubmitted, TaskRouted, TaskStarted, TaskCompleted, TaskFailed)
+WORKERS_EVENTS = (TaskStarted, TaskCompleted, TaskFailed)
+
+
+class Item(NamedTuple):
+    """One event to apply: its stream position, itself, and the worker its subject names
+    (`schemas.subjects.task_event_source`; None for anything else)."""
+
+    seq: int
+    event: AnyEvent
+    source: str | None = None
+
 
 _SELECT_TASKS: Final = (
     f"SELECT {', '.join(TASK_COLUMNS)} FROM tasks WHERE task_id = ANY($1::text[]) FOR UPDATE"
@@ -90,13 +109,16 @@ class Projected:
     """Those positions."""
     duplicates: int = 0
     """Positions applied before (redeliveries): nothing changed."""
+    refused: int = 0
+    """Workers' task events their recorder may not give (`services.fleet.binding`): logged,
+    nothing changed."""
     touched: set[FigureKey] = field(default_factory=set)
     """Figure keys whose figures may have changed."""
 
 
 async def project(
     conn: Connection,
-    items: Sequence[tuple[int, AnyEvent]],
+    items: Sequence[Item],
     *,
     lock_tasks: bool = True,
 ) -> Projected:
@@ -110,26 +132,34 @@ async def project(
     result = Projected()
     if not items:
         return result
-    rows = await conn.fetch(_TRACK, TASKS_PROJECTION, [seq for seq, _ in items])
+    rows = await conn.fetch(_TRACK, TASKS_PROJECTION, [item.seq for item in items])
     fresh = result.fresh = {row[0] for row in rows}
-    todo = [(seq, event) for seq, event in items if seq in fresh]
+    todo = [item for item in items if item.seq in fresh]
     result.applied = len(todo)
     result.duplicates = len(items) - len(todo)
     if not todo:
         return result
 
     batch = _Batch(conn, result.touched)
-    task_ids = sorted({e.task_id for _, e in todo if isinstance(e, TASK_EVENTS)})
+    task_ids = sorted({i.event.task_id for i in todo if isinstance(i.event, TASK_EVENTS)})
     if task_ids:
         if lock_tasks:
             await conn.execute(_LOCK_TASKS, TASK_LOCK_SPACE, task_ids)
         for row in await conn.fetch(_SELECT_TASKS, task_ids):
             batch.states[row["task_id"]] = state_from_row(row)
     batch.aliases = await load_aliases(conn)
+    if any(i.source is not None for i in todo):
+        batch.supports = await load_supports(conn)
 
-    for seq, event in todo:
+    for seq, event, source in todo:
         if isinstance(event, TASK_EVENTS):
             before = batch.states.get(event.task_id)
+            if isinstance(event, WORKERS_EVENTS):
+                problem = refusal(event, source, routing(before), batch.supports.get)
+                if problem is not None:
+                    log.warning("task event refused", task_id=event.task_id, problem=problem)
+                    result.refused += 1
+                    continue
             after = evolve(before, event)
             if after is before:
                 continue
@@ -141,6 +171,8 @@ async def project(
         else:
             await batch.flush()
             await apply_other(batch.conn, seq, event, aliases=batch.aliases, touched=batch.touched)
+            if isinstance(event, WorkerRegistered):
+                batch.supports[event.worker_id] = event.supports
     await batch.flush()
     return result
 
@@ -153,6 +185,14 @@ async def load_aliases(conn: Connection) -> dict[str, str]:
 _ALIASES: Final = "SELECT alias, canonical FROM aliases"
 
 
+async def load_supports(conn: Connection) -> dict[str, Collection[str]]:
+    """What each worker ever registered supports, as of its latest registration."""
+    return {row["worker_id"]: row["supports"] for row in await conn.fetch(_SUPPORTS)}
+
+
+_SUPPORTS: Final = "SELECT worker_id, supports FROM workers_seen"
+
+
 @dataclass
 class _Batch:
     """Task rows and outcomes waiting to be written, plus what the batch has seen."""
@@ -163,6 +203,7 @@ class _Batch:
     task_rows: dict[str, tuple[TaskState, int]] = field(default_factory=dict)
     outcomes: list[tuple[Outcome, int]] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+    supports: dict[str, Collection[str]] = field(default_factory=dict)
 
     async def flush(self) -> None:
         if self.task_rows:

@@ -49,11 +49,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from schemas.events import AnyEvent, any_event_decoder
-from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS
+from schemas.events import any_event_decoder
+from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS, task_event_source
 from services.runtime.errors import RebuildBusy, Unavailable, Unstorable
 from services.stats.figure_rows import refresh_figures
-from services.stats.projector import project
+from services.stats.projector import Item, project
 from services.stats.rows import PROJECTION_LOCK, PROJECTION_TABLES, Connection
 from services.stats.store import SCHEMA_PATH, database_errors, redact_dsn
 
@@ -184,8 +184,8 @@ async def _replay(
     """
     if until < start:
         return 0
-    batches: asyncio.Queue[list[tuple[int, AnyEvent]] | None] = asyncio.Queue(maxsize=4)
-    batch: list[tuple[int, AnyEvent]] = []
+    batches: asyncio.Queue[list[Item] | None] = asyncio.Queue(maxsize=4)
+    batch: list[Item] = []
     finished = False
     last_seen = time.monotonic()
 
@@ -198,7 +198,9 @@ async def _replay(
         seq = metadata.sequence.stream
         if seq <= until:
             try:
-                batch.append((seq, any_event_decoder.decode(msg.data)))
+                batch.append(
+                    Item(seq, any_event_decoder.decode(msg.data), task_event_source(msg.subject))
+                )
             except msgspec.DecodeError as exc:
                 log.warning("undecodable event skipped", stream_seq=seq, error=str(exc))
         end = seq >= until or metadata.num_pending == 0
@@ -244,7 +246,7 @@ async def _replay(
     return applied
 
 
-async def _apply(conn: Connection, batch: list[tuple[int, AnyEvent]]) -> int:
+async def _apply(conn: Connection, batch: list[Item]) -> int:
     """One transaction for the batch; if some event cannot be stored, one per event."""
     if not batch:
         return 0

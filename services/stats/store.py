@@ -30,7 +30,7 @@ from services.fleet.aliases import resolve
 from services.runtime.errors import Unavailable, Unstorable
 from services.stats.figure_rows import FIGURE_COLUMNS, NOT_EXCLUDED, refresh_figures
 from services.stats.projection import TaskState, to_view
-from services.stats.projector import Projected, load_aliases, project
+from services.stats.projector import Item, Projected, load_aliases, project
 from services.stats.rows import (
     PROJECTION_LOCK,
     SELECT_TASK,
@@ -114,15 +114,16 @@ class Store:
 
     # -- writes --------------------------------------------------------------------------------
 
-    async def apply(self, stream_seq: int, event: AnyEvent) -> bool:
-        """Apply one event from stream position ``stream_seq``, exactly once.
+    async def apply(self, stream_seq: int, event: AnyEvent, source: str | None = None) -> bool:
+        """Apply one event from stream position ``stream_seq`` (a task event recorded by the
+        worker ``source``, if any), exactly once.
 
         Returns False, changing nothing, when this position was applied before (a
         redelivery). Raises `Unavailable` (retry later) or `Unstorable` (never storable).
         """
-        return (await self.apply_batch([(stream_seq, event)])).applied == 1
+        return (await self.apply_batch([Item(stream_seq, event, source)])).applied == 1
 
-    async def apply_batch(self, items: Sequence[tuple[int, AnyEvent]]) -> Projected:
+    async def apply_batch(self, items: Sequence[Item]) -> Projected:
         """Apply events (stream position, event) in order in one transaction, each once.
 
         All or nothing: `Unavailable` or `Unstorable` leave the tables as they were, so the

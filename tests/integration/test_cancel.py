@@ -7,7 +7,7 @@ from nats.aio.client import Client
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
-from tests.harness import ServiceRunner, eventually, request, workers_live
+from tests.harness import ServiceRunner, eventually, last_task_event, request, workers_live
 
 MODEL = "qwen2.5:0.5b"
 
@@ -18,7 +18,7 @@ async def outcome(nc: Client, task_id: str) -> dict[str, object]:
     async def check() -> dict[str, object] | None:
         for kind in ("completed", "failed"):
             try:
-                msg = await js.get_last_msg("EVENTS", f"events.task.{task_id}.{kind}")
+                msg = await last_task_event(js, task_id, kind)
             except Exception:
                 continue
             event: dict[str, object] = msgspec.json.decode(msg.data or b"")

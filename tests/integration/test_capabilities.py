@@ -277,7 +277,7 @@ async def test_an_embedding_task_runs_on_a_worker_that_serves_the_model(
     assert sent["input"] == texts and sent["dimensions"] == 64
     # One task for the batch, recorded like any other.
     js = nc.jetstream()
-    done = await js.get_last_msg(EVENTS_STREAM, f"events.task.{reply.task_id}.completed")
+    done = await js.get_last_msg(EVENTS_STREAM, f"events.task.{reply.task_id}.*.completed")
     assert msgspec.json.decode(done.data or b"")["embeddings"] == body["embeddings"]
     submitted = await js.get_last_msg(EVENTS_STREAM, f"events.task.{reply.task_id}.submitted")
     assert msgspec.json.decode(submitted.data or b"")["domain"] == "embedding"
@@ -307,7 +307,7 @@ async def test_an_embedding_task_can_be_cancelled(
     runner.worker(nats_server.url, able.url, "cpu-1")
     await records(nc, 1)
     able.configure(delay_s=5)
-    started = await nc.subscribe("events.task.*.started")
+    started = await nc.subscribe("events.task.*.*.started")
     asking = asyncio.create_task(
         ask(nc, prompt="", model=EMBEDDER, task_type="embedding", input=["slow"])
     )

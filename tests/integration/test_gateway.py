@@ -23,7 +23,7 @@ from schemas.events import AliasSet
 from services.gateway.service import run as run_gateway
 from services.runtime.bus import publish_event
 from services.runtime.settings import GatewaySettings
-from tests.harness import ServiceRunner, eventually, request, workers_live
+from tests.harness import ServiceRunner, eventually, last_task_event, request, workers_live
 
 THINKER = "qwen3:0.6b"
 PLAIN = "qwen2.5:0.5b"
@@ -82,7 +82,7 @@ async def ai(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
 async def stored_failure(nc: Client, task_id: str) -> dict[str, Any]:
     async def check() -> dict[str, Any] | None:
         try:
-            msg = await nc.jetstream().get_last_msg("EVENTS", f"events.task.{task_id}.failed")
+            msg = await last_task_event(nc.jetstream(), task_id, "failed")
         except Exception:
             return None
         decoded: dict[str, Any] = msgspec.json.decode(msg.data or b"")
@@ -476,7 +476,7 @@ async def _cancelled(fake: FakeOllama) -> bool:
 
 async def test_a_client_that_gives_up_waiting_cancels_its_task(stack: Stack, nc: Client) -> None:
     stack.ollama.delay_s = 5.0
-    subscription = await nc.subscribe("events.task.*.failed")
+    subscription = await nc.subscribe("events.task.*.*.failed")
     async with httpx.AsyncClient(base_url=stack.url, timeout=0.5) as http:
         with pytest.raises(httpx.TimeoutException):
             await http.post(

@@ -213,7 +213,7 @@ async def test_a_worker_cannot_use_another_workers_queue_nor_read_the_stats_even
         await ajs.publish(f"tasks.cpu.{WORKER}", b"{}")
         [msg] = await mine.fetch(1, timeout=2.0)
         await msg.ack()
-        await js.publish("events.task.t1.started", b"{}")
+        await js.publish(f"events.task.t1.{WORKER}.started", b"{}")  # on its own subject
         aliases = AliasFollower(js)
         await aliases.start(timeout_s=5.0)
         assert aliases.canonical("long:name") == "short"
@@ -239,6 +239,10 @@ async def test_a_worker_cannot_use_another_workers_queue_nor_read_the_stats_even
             js.get_last_msg(EVENTS_STREAM, "events.stats.exclusion.added"),
             js.get_last_msg(EVENTS_STREAM, "events.stats.exclusion.added", direct=True),
             js.get_last_msg(EVENTS_STREAM, "events.task.t1.submitted", direct=True),
+            # Another worker's start or outcome, or one as the router or the reaper.
+            js.publish("events.task.t1.cpu2.completed", b"{}"),
+            js.publish("events.task.t1.started", b"{}"),
+            js.publish("events.task.t1.failed", b"{}"),
         ]
         results = await asyncio.gather(*attempts, return_exceptions=True)
         assert all(isinstance(r, Exception) for r in results), results
@@ -259,6 +263,9 @@ async def test_a_worker_cannot_use_another_workers_queue_nor_read_the_stats_even
         "$JS.API.DIRECT.GET.EVENTS.events.stats.exclusion.added",
         "$JS.API.DIRECT.GET.EVENTS.events.task.t1.submitted",
         'subscription to "events.stats.>"',
+        "events.task.t1.cpu2.completed",
+        'publish to "events.task.t1.started"',
+        'publish to "events.task.t1.failed"',
     ):
         assert errors.about(subject), (subject, errors.seen)
     # The other worker's task is still there, untouched.

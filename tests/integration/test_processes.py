@@ -90,7 +90,7 @@ async def test_two_processes_bound_to_one_worker_queue_never_run_two_tasks_at_on
     await workers_live(nc, 1)
     ollama.delay_s = 0.2
     calls_before = ollama.stats()["generate_calls"]  # the workers' sanity runs
-    ended = await nc.subscribe("events.task.*.completed")
+    ended = await nc.subscribe("events.task.*.*.completed")
 
     for i in range(8):
         body, _ = await request(nc, "coordinator.route", {"prompt": f"{i}+1", "model": MODEL})

@@ -10,8 +10,8 @@ from nats.aio.client import Client
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
-from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
-from tests.harness import ServiceRunner, error_of, request, workers_live
+from schemas.subjects import TASKS_STREAM
+from tests.harness import ServiceRunner, error_of, last_task_event, request, workers_live
 
 MODEL = "qwen2.5:0.5b"
 
@@ -38,7 +38,7 @@ async def test_a_prompt_is_routed_to_a_worker_and_answered(
     js = nc.jetstream()
     kinds = []
     for kind in ("submitted", "routed", "started", "completed"):
-        msg = await js.get_last_msg(EVENTS_STREAM, f"events.task.{body['task_id']}.{kind}")
+        msg = await last_task_event(js, body["task_id"], kind)
         kinds.append(str(msg.subject).rsplit(".", 1)[-1])
     assert kinds == ["submitted", "routed", "started", "completed"]
     # The task's message was acknowledged after its outcome, so the work queue is empty.
@@ -51,7 +51,7 @@ async def test_without_wait_the_reply_says_queued_and_the_task_still_runs(
     runner.router(nats_server.url)
     runner.worker(nats_server.url, ollama.url, "cpu-1")
     await workers_live(nc, 1)
-    done = await nc.subscribe("events.task.*.completed")
+    done = await nc.subscribe("events.task.*.*.completed")
 
     body, _ = await ask(nc, wait=False)
 
@@ -176,7 +176,7 @@ async def test_a_worker_stopping_mid_task_finishes_it_first(
     worker = runner.worker(nats_server.url, ollama.url, "cpu-1")
     await workers_live(nc, 1)
     ollama.delay_s = 1.0
-    started = await nc.subscribe("events.task.*.started")
+    started = await nc.subscribe("events.task.*.*.started")
 
     answer = asyncio.create_task(ask(nc))
     await started.next_msg(timeout=10)

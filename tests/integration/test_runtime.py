@@ -10,7 +10,13 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from schemas.events import Durations, TaskCompleted, TaskFailed, TaskStarted
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM, WORKERS_BUCKET
 from services.runtime.bus import ensure_bucket, ensure_streams, publish_event
-from services.runtime.outcomes import KeepAlive, last_started, store_outcome, stored_outcome
+from services.runtime.outcomes import (
+    KeepAlive,
+    Sourced,
+    last_started,
+    store_outcome,
+    stored_outcome,
+)
 
 
 def completed(attempt: int = 1, response: str = "2") -> TaskCompleted:
@@ -25,21 +31,28 @@ def completed(attempt: int = 1, response: str = "2") -> TaskCompleted:
     )
 
 
-async def test_an_attempt_stores_one_outcome_the_first(nc: Client) -> None:
+def anyone(sourced: Sourced) -> bool:
+    return True
+
+
+async def test_a_recorder_stores_one_outcome_per_attempt_the_first(nc: Client) -> None:
     js = nc.jetstream()
     await ensure_streams(js)
-    assert await stored_outcome(js, "t1", 1) is None
+    assert await stored_outcome(js, "t1", 1, anyone) is None
 
-    await store_outcome(js, completed(response="first"))
-    await store_outcome(js, completed(response="second"))  # a redelivered copy's outcome
+    await store_outcome(js, completed(response="first"), by="w")
+    await store_outcome(js, completed(response="second"), by="w")  # a redelivered copy's
     await store_outcome(
-        js, TaskFailed(at=2.0, task_id="t1", attempt=1, code="worker_lost", reason="x")
-    )  # another worker's verdict on the same attempt
+        js,
+        TaskFailed(at=2.0, task_id="t1", attempt=1, worker="v", code="worker_lost", reason="x"),
+        by="v",
+    )  # another worker's, on its own subject: it cannot take the place of w's
 
-    assert (await js.stream_info(EVENTS_STREAM)).state.messages == 1
-    stored = await stored_outcome(js, "t1", 1)
+    assert (await js.stream_info(EVENTS_STREAM)).state.messages == 2
+    stored = await stored_outcome(js, "t1", 1, lambda sourced: sourced[1] == "w")
     assert isinstance(stored, TaskCompleted) and stored.response == "first"
-    assert await stored_outcome(js, "t1", 2) is None  # a later attempt has not ended
+    assert await stored_outcome(js, "t1", 1, lambda sourced: False) is None
+    assert await stored_outcome(js, "t1", 2, anyone) is None  # a later attempt has not ended
 
 
 async def test_last_started_is_of_the_attempt_asked_about(nc: Client) -> None:
@@ -47,8 +60,11 @@ async def test_last_started_is_of_the_attempt_asked_about(nc: Client) -> None:
     await ensure_streams(js)
     assert await last_started(js, "t1", 1) is None
     await publish_event(js, TaskStarted(at=1.0, task_id="t1", attempt=1, worker="a", host="h"))
-    started = await last_started(js, "t1", 1)
-    assert started is not None and (started.worker, started.host) == ("a", "h")
+    found = await last_started(js, "t1", 1)
+    assert found is not None
+    started, source = found
+    assert isinstance(started, TaskStarted) and (started.worker, started.host) == ("a", "h")
+    assert source == "a"  # the worker its subject names
     assert await last_started(js, "t1", 2) is None
 
 

@@ -51,7 +51,7 @@ async def test_chunks_arrive_before_the_final_reply_and_add_up_to_the_answer(
     assert chunks[0].task_id == reply.task_id
     assert "".join(c.response for c in chunks) == reply.response
     completed = await nc.jetstream().get_last_msg(
-        "EVENTS", f"events.task.{reply.task_id}.completed"
+        "EVENTS", f"events.task.{reply.task_id}.*.completed"
     )
     durations = msgspec.json.decode(completed.data or b"")["durations"]
     assert 0 < durations["first_token_ms"] <= durations["total_ms"]

@@ -6,15 +6,18 @@ is there for still works."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import suppress
 
 import httpx
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig
+from structlog.testing import capture_logs
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
+from schemas.events import Durations, TaskCompleted, encoder
 from schemas.route import StreamChunk
 from schemas.subjects import (
     ALIAS_ADD,
@@ -25,11 +28,18 @@ from schemas.subjects import (
     SHARED_CONSUMER,
     STATS_EXCLUDE,
     STATS_REBUILD,
+    TASK,
     TASKS_STREAM,
+    WORKERS_BUCKET,
     chunk_subject,
+    task_event,
 )
+from schemas.workers import worker_record_decoder
+from services.cli.permissions import EXAMPLE_WEB_WORKERS
 from services.runtime.request import stream_call
-from tests.harness import ServiceRunner, request, workers_live
+from services.runtime.settings import StatsSettings
+from services.stats.service import run as run_stats
+from tests.harness import ServiceRunner, eventually, request, workers_live
 from tests.integration.test_gateway import start_gateway
 from tests.integration.test_nats_permissions import (
     WORKER,
@@ -217,3 +227,89 @@ async def test_the_gateway_reads_the_api_keys_and_only_the_operator_writes_them(
     finally:
         await client.close()
         await operator.close()
+
+
+async def test_a_worker_cannot_forge_another_workers_outcome(
+    secured: NatsServer, admin: Client, ollama: FakeOllama, runner: ServiceRunner, pg_dsn: str
+) -> None:
+    """The attack: a worker reads another's running task from the registry and publishes its
+    outcome. On the other worker's subject the server refuses it; on its own subject it is
+    stored but nobody takes it: the client, the router's lookups and the statistics keep the
+    real answer, and the router and the stats service log the refusal."""
+    url = secured.url
+    forger_id = EXAMPLE_WEB_WORKERS[0]  # another worker user of the shipped configuration
+    with capture_logs() as logs:
+        runner.start(
+            run_stats,
+            StatsSettings(
+                nats_url=url, pg_dsn=pg_dsn, nats_user="stats", nats_password=password("stats")
+            ),
+        )
+        runner.router(url, nats_user="router", nats_password=password("router"))
+        runner.worker(
+            url,
+            ollama.url,
+            WORKER,
+            nats_user=f"worker-{WORKER}",
+            nats_password=password(f"worker-{WORKER}"),
+        )
+        client = await connect_as(secured, "client")
+        errors = Violations()
+        forger = await connect_as(secured, f"web-{forger_id}", errors)
+        try:
+            await workers_live(client, 1)
+            ollama.delay_s = 1.5  # the real answer takes a while: time to forge
+            asked = asyncio.create_task(
+                request(client, ROUTE, {"prompt": "1+1?", "model": MODEL, "wait": True}, 20.0)
+            )
+            registry = await forger.jetstream().key_value(WORKERS_BUCKET)
+
+            async def running() -> str | None:
+                entry = await registry.get(WORKER)
+                return worker_record_decoder.decode(entry.value or b"").current_task
+
+            task_id = await eventually(running, timeout_s=10.0, interval_s=0.05)
+
+            def forged(worker: str) -> bytes:
+                return encoder.encode(
+                    TaskCompleted(
+                        at=1.0,
+                        task_id=task_id,
+                        attempt=1,
+                        worker=worker,
+                        model=MODEL,
+                        response="FORGED",
+                        durations=Durations(total_ms=1.0),
+                    )
+                )
+
+            js = forger.jetstream(timeout=2.0)
+            # On the routed worker's subject, or as the router: refused by the server.
+            for subject in (
+                task_event(task_id, "completed", WORKER),
+                f"events.task.{task_id}.failed",
+            ):
+                await forger.publish(subject, forged(WORKER))
+                assert await refused(forger, errors, subject), (subject, errors.seen)
+            # On its own subject, naming either worker: stored, and taken by nobody.
+            for named in (WORKER, forger_id):
+                await js.publish(task_event(task_id, "completed", forger_id), forged(named))
+
+            reply, _ = await asked
+            assert reply["status"] == "done" and reply["worker"] == WORKER
+            assert reply["response"] != "FORGED"
+
+            async def projected() -> dict[str, object] | None:
+                with suppress(Exception):
+                    body, _ = await request(client, TASK, {"task_id": task_id}, 2.0)
+                    return body if body.get("status") == "done" else None
+                return None
+
+            task = await eventually(projected, timeout_s=10.0)
+            assert task["worker"] == WORKER and task["response"] == reply["response"]
+        finally:
+            await forger.close()
+            await client.close()
+    refusals = [e for e in logs if e.get("task_id") == task_id and "refused" in e["event"]]
+    assert {e["event"] for e in refusals} >= {"outcome refused", "task event refused"}, logs
+    assert all(forger_id in e["problem"] for e in refusals)

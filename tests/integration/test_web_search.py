@@ -30,7 +30,7 @@ from schemas.events import (
     kind_of,
     task_event_decoder,
 )
-from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
+from schemas.subjects import TASKS_STREAM
 from schemas.tasks import TaskMessage
 from services import __version__
 from services.runtime.bus import publish_event
@@ -43,6 +43,7 @@ from tests.harness import (
     ServiceRunner,
     clean_env,
     eventually,
+    last_task_event,
     request,
     run_cli,
     workers_live,
@@ -107,8 +108,7 @@ class Stack:
         return reply
 
     async def event(self, task_id: str, kind: str) -> Any:
-        subject = f"events.task.{task_id}.{kind}"
-        msg = await self.nc.jetstream().get_last_msg(EVENTS_STREAM, subject)
+        msg = await last_task_event(self.nc.jetstream(), task_id, kind)
         return task_event_decoder.decode(msg.data or b"")
 
     async def tasks_queued(self) -> int:
@@ -339,8 +339,8 @@ async def test_web_workers_share_the_queue_one_task_each_at_a_time_never_the_sam
     web.web_worker("web-2")
     await workers_live(web.nc, 2)
     web.searxng.delay_s = 0.3
-    started_sub = await web.nc.subscribe("events.task.*.started")
-    ended_sub = await web.nc.subscribe("events.task.*.completed")
+    started_sub = await web.nc.subscribe("events.task.*.*.started")
+    ended_sub = await web.nc.subscribe("events.task.*.*.completed")
 
     task_ids = []
     for i in range(6):
@@ -389,7 +389,7 @@ async def test_a_stopping_web_worker_finishes_or_wraps_up_its_task(
 ) -> None:
     worker = await web.start(stop_grace_s=grace_s, search_timeout_s=20.0, summary_timeout_s=20.0)
     web.searxng.delay_s, web.ollama.delay_s = delays
-    started = await web.nc.subscribe("events.task.*.started")
+    started = await web.nc.subscribe("events.task.*.*.started")
     answer = asyncio.create_task(web.ask())
     await started.next_msg(timeout=10)
 
@@ -425,7 +425,7 @@ async def test_a_dead_web_workers_task_fails_naming_it_and_is_not_run_again(
     doomed = processes.start([COORDINATOR, "web-search"], env)
     await workers_live(web.nc, 1)
     web.ollama.delay_s = 30.0  # web-a is summarising when it dies
-    started = await web.nc.subscribe("events.task.*.started")
+    started = await web.nc.subscribe("events.task.*.*.started")
     body = {"prompt": QUESTION, "model": "default", "task_type": "web_search"}
     reply, _ = await request(web.nc, "coordinator.route", body)
     assert task_event_decoder.decode((await started.next_msg(timeout=10)).data).worker == "web-a"

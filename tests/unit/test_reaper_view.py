@@ -188,3 +188,17 @@ def test_a_released_lease_or_a_stop_forgets_the_instance() -> None:
     view.seen("w", "i2", "h", 2.0)
     view.remove_worker("w")
     assert "w" not in view.instances
+
+
+def test_a_workers_event_for_an_attempt_routed_elsewhere_changes_nothing() -> None:
+    view = ReaperView()
+    for event in (submitted(), routed(1, worker="a")):
+        view.apply(event)
+    # b forges a's outcome: the reaper keeps watching the task, so it is still rescued.
+    problem = view.apply(completed(1, worker="b"), "b")
+    assert problem is not None and "routed to 'a'" in problem
+    assert view.tasks[T].status == "queued"
+    assert view.apply(started(1, worker="a"), "a") is None
+    assert view.tasks[T].status == "running"
+    assert view.apply(completed(1, worker="a"), "a") is None
+    assert view.tasks[T].status == "ended"

@@ -10,18 +10,22 @@ from schemas.subjects import (
     InvalidId,
     queue_consumer,
     task_event,
+    task_event_source,
     task_events,
     worker_consumer,
     worker_event,
     worker_of_consumer,
     worker_queue,
+    workers_task_event,
 )
 
 
 def test_subjects_are_built_from_safe_ids() -> None:
     assert worker_queue("cpu", "box-1") == "tasks.cpu.box-1"
     assert worker_queue("gpu", "mac_m2") == "tasks.gpu.mac_m2"
-    assert task_event("t1", "completed") == "events.task.t1.completed"
+    assert task_event("t1", "routed") == "events.task.t1.routed"
+    assert task_event("t1", "completed", "box-1") == "events.task.t1.box-1.completed"
+    assert workers_task_event("t1", "started") == "events.task.t1.*.started"
     assert task_events("t1") == "events.task.t1.>"
     assert worker_event("box-1", "registered") == "events.worker.box-1.registered"
 
@@ -46,3 +50,10 @@ def test_each_queue_is_delivered_by_its_consumer() -> None:
     assert queue_consumer(WEB_QUEUE) == WEB_CONSUMER
     assert worker_of_consumer(worker_consumer("mac")) == "mac"
     assert worker_of_consumer(SHARED_CONSUMER) is None
+
+
+def test_a_task_events_subject_names_the_worker_that_recorded_it() -> None:
+    assert task_event_source(task_event("t1", "completed", "box-1")) == "box-1"
+    assert task_event_source(task_event("t1", "failed")) is None  # the router's or reaper's
+    assert task_event_source("events.worker.box-1.registered") is None
+    assert task_event_source("coordinator.chunk.box-1.t1") is None
