@@ -6,9 +6,8 @@ Starts the instant Ollama stand-in (`benchmarks.standin`, its own process, so it
 counted) on loopback and makes, from this process, ``--calls`` streamed ``POST /api/chat``
 calls one after the other with each client, after ``--warmup`` calls of it:
 
-- ``http1``: the small HTTP/1.1 client the Ollama backend used for its generations until this
-  comparison (``LinePool``), read from the git history (``--http1-from``, a commit that has
-  ``services/worker/backends/http1.py``); left out when git cannot give it;
+- ``http1``: the small HTTP/1.1 client the Ollama backend makes its generations on plain
+  ``http://`` with (``services/backends/http1.py``, ``LinePool``);
 - ``httpx``: ``AsyncClient.stream`` and ``aiter_lines``;
 - ``aiohttp``: ``ClientSession.post`` and the body read line by line (``async for`` on
   ``content``).
@@ -28,15 +27,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
-from types import ModuleType
 from typing import Any, Final
 
 import aiohttp
@@ -44,12 +40,9 @@ import httpx
 import msgspec
 
 from benchmarks.stack import load_average, median, table, write_result
+from services.backends.http1 import LinePool
 
 BOUND_MS: Final = 0.3
-# The last commit with the small HTTP/1.1 client, and where it was.
-HTTP1_COMMIT: Final = "f31615cecdf6db3f3a1271f7ad5dde253e192a43"
-HTTP1_PATH: Final = "services/worker/backends/http1.py"
-ROOT: Final = Path(__file__).resolve().parent.parent
 MODEL: Final = "qwen2.5:0.5b"
 BODY: Final = {
     "model": MODEL,
@@ -66,30 +59,9 @@ _encoder = msgspec.json.Encoder()
 Call = Callable[[], Awaitable[int]]
 
 
-# The retired client's module, once loaded (`load_http1`).
-_RETIRED: dict[str, ModuleType] = {}
-
-
-def load_http1(commit: str) -> ModuleType | None:
-    """The retired client's module as it was at ``commit`` (standard library only), or None."""
-    try:
-        source = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{commit}:{HTTP1_PATH}"],
-            capture_output=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    spec = importlib.util.spec_from_loader("_retired_http1", loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source, f"{commit[:8]}:{HTTP1_PATH}", "exec"), module.__dict__)
-    return module
-
-
 @asynccontextmanager
 async def http1_client(base_url: str) -> AsyncIterator[Call]:
-    pool = _RETIRED["http1"].LinePool(base_url, connect_timeout_s=5.0)
+    pool = LinePool(base_url, connect_timeout_s=5.0)
 
     async def call() -> int:
         lines = 0
@@ -178,7 +150,7 @@ async def run_one(name: str, base_url: str, calls: int, warmup: int) -> dict[str
 
 
 async def measure(
-    names: list[str], base_url: str, calls: int, rounds: int, warmup: int, *, http1_from: str
+    names: list[str], base_url: str, calls: int, rounds: int, warmup: int
 ) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     for number in range(rounds):
@@ -206,7 +178,6 @@ async def measure(
             "calls_per_round": calls,
             "warmup_per_round": warmup,
             "rounds": rounds,
-            "http1_from": http1_from if "http1" in names else None,
             "versions": {"httpx": httpx.__version__, "aiohttp": aiohttp.__version__},
         },
         "runs": runs,
@@ -244,17 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--clients", default=",".join(CLIENTS), help="comma-separated: http1,httpx,aiohttp"
     )
-    parser.add_argument(
-        "--http1-from", default=HTTP1_COMMIT, help="the commit to take the http1 client from"
-    )
     args = parser.parse_args(argv)
     names = [n for n in args.clients.split(",") if n]
-    if "http1" in names:
-        if (module := load_http1(args.http1_from)) is None:
-            print(f"no {HTTP1_PATH} at {args.http1_from}: http1 left out", file=sys.stderr)
-            names.remove("http1")
-        else:
-            _RETIRED["http1"] = module
     port = _free_port()
     standin = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.standin", "--port", str(port)],
@@ -269,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
                 args.calls,
                 args.rounds,
                 args.warmup,
-                http1_from=f"{args.http1_from}:{HTTP1_PATH}",
             )
         )
     finally:

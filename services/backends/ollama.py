@@ -6,12 +6,14 @@ answers read by `ollama_reply` (both pure); this module is the HTTP client.
 Streaming is used even though the answer is returned whole: each chunk is a sign of life
 (the worker turns it into ``in_progress()``), and the first chunk gives time to first token.
 
-Every call goes over one aiohttp session (kept-alive connections, TLS, and a proxy from the
-environment as httpx would take it): a streamed call costs its client about 0.14 ms of CPU
-here, against httpx's 0.56 ms and the hand-written HTTP/1.1 client's 0.07 ms that it replaced
-(``benchmarks/README.md``, "The backends' HTTP client"). A
-generation read to its end gives its connection back to the pool (`drain`); one given up
-(an error, a cancel, a timeout) closes it, which is what stops Ollama generating.
+A generation on plain ``http://`` without a proxy, the worker's hot path, goes over the small
+HTTP/1.1 client (`http1`): inside a worker, aiohttp costs about 0.5 ms of CPU more per
+generation (``benchmarks/README.md``, "The one task loop against the tree before it"). Every
+other call (model list, show, embed, and generations over TLS or a proxy) goes over one
+aiohttp session (kept-alive connections, TLS, and a proxy from the environment as httpx
+would take it). A generation read to its end gives its connection back to the pool
+(`drain`); one given up (an error, a cancel, a timeout) closes it, which is what stops
+Ollama generating.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from schemas.events import Durations
 from schemas.models import ModelFacts
 from schemas.route import ChatMessage, OutputFormat
 from services.backends import Embedding, Generation, OnChunk, Progress, drain
+from services.backends.http1 import Http1ConnectTimeout, Http1Error, LinePool, usable_for
 from services.backends.ollama_reply import (
     StreamedAnswer,
     Tag,
@@ -69,6 +72,13 @@ class OllamaBackend:
         self._base_url = base_url.rstrip("/")
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None  # made in the loop, on first use
+        # Generations on plain http:// with no proxy go over the small HTTP/1.1 client: in a
+        # worker, aiohttp costs about 0.5 ms of CPU more per generation (http1.py).
+        self._lines = (
+            LinePool(self._base_url, connect_timeout_s=connect_timeout_s)
+            if usable_for(self._base_url)
+            else None
+        )
         # A proxy from the environment (HTTP(S)_PROXY, NO_PROXY), as httpx takes it, read
         # here once: aiohttp's ``trust_env`` reads it, and ``~/.netrc``, on every request
         # (0.35 ms of CPU each here).
@@ -84,6 +94,8 @@ class OllamaBackend:
         return self._base_url
 
     async def aclose(self) -> None:
+        if self._lines is not None:
+            await self._lines.aclose()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -160,13 +172,13 @@ class OllamaBackend:
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._stream(path, body, started, progress, on_chunk)
-        except aiohttp.ServerTimeoutError as exc:  # a TimeoutError too: first
+        except (aiohttp.ServerTimeoutError, Http1ConnectTimeout) as exc:  # before TimeoutError
             raise BackendTimeout(f"Ollama at {self._base_url} timed out: {_describe(exc)}") from exc
         except TimeoutError as exc:
             raise BackendTimeout(
                 f"Ollama at {self._base_url} did not finish {model} within {timeout_s:g} s"
             ) from exc
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, Http1Error) as exc:
             raise BackendUnavailable(
                 f"Ollama at {self._base_url} cannot be reached: {_describe(exc)}"
             ) from exc
@@ -179,7 +191,17 @@ class OllamaBackend:
         progress: Progress | None,
         on_chunk: OnChunk | None,
     ) -> Generation:
-        reply = await self._send(path, _body_encoder.encode(body))
+        encoded = _body_encoder.encode(body)
+        if self._lines is not None:
+            async with self._lines.post(path, encoded, "application/x-ndjson") as small:
+                if small.status != 200:
+                    text = (await small.read()).decode(errors="replace")
+                    raise BackendError(f"Ollama answered HTTP {small.status}: {error_text(text)}")
+                lines = small.lines()
+                generation = await self._read(lines, started, progress, on_chunk)
+                await drain(lines)  # to the body's end: the connection is kept
+                return generation
+        reply = await self._send(path, encoded)
         try:
             if reply.status != 200:
                 text = (await reply.read()).decode(errors="replace")

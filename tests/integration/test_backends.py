@@ -285,16 +285,23 @@ async def test_a_server_that_is_not_there_is_unavailable() -> None:
 async def test_every_call_keeps_one_connection(
     ollama_backend: OllamaBackend, fake: FakeOllama
 ) -> None:
-    """Generations read to their end, the model list and embeddings share one kept-alive
-    connection: a connection per task costs more than the rest of the request."""
+    """Generations read to their end keep one connection (the small HTTP/1.1 client's), the
+    model list and embeddings another (aiohttp's): a connection per task costs more than the
+    rest of the request."""
     for _ in range(3):
         assert (await ollama_backend.generate(CHAT, "hi", options=None, timeout_s=10)).response
-    await ollama_backend.list_models()
-    await ollama_backend.embed(EMBEDDER, ["hi"], timeout_s=10)
-    await ollama_backend.generate(
-        CHAT, "hi", options=None, timeout_s=10, messages=[ChatMessage(role="user", content="hi")]
-    )
     assert fake.stats()["connections"] == 1
+    for _ in range(2):
+        await ollama_backend.list_models()
+        await ollama_backend.embed(EMBEDDER, ["hi"], timeout_s=10)
+        await ollama_backend.generate(
+            CHAT,
+            "hi",
+            options=None,
+            timeout_s=10,
+            messages=[ChatMessage(role="user", content="hi")],
+        )
+    assert fake.stats()["connections"] == 2
 
 
 async def test_a_generation_given_up_midway_closes_its_connection(
