@@ -56,6 +56,13 @@ class WorkerView(Wire, frozen=True, kw_only=True):
     """What the reaper found wrong with this worker lately (a duplicate process, say)."""
     facts: list[ModelFacts] = msgspec.field(default_factory=list)
     """Capabilities, digest, size and details of its models, as its backend reports them."""
+    health: str = "healthy"
+    """``healthy`` or ``degraded``, as the worker's own probe of its backend says (a degraded
+    worker gets no task)."""
+    health_reason: str | None = None
+    """Why it is degraded."""
+    health_since: float | None = None
+    """When its health last changed (None: a worker that does not probe its backend)."""
 
 
 class WorkersReply(Wire, frozen=True, kw_only=True):

@@ -11,6 +11,8 @@ from schemas.models import ModelFacts, facts_in
 
 Capability = Literal["cpu_inference", "gpu_inference", "web_search"]
 INFERENCE_CAPABILITIES = frozenset({"cpu_inference", "gpu_inference"})
+HealthStatus = Literal["healthy", "degraded"]
+"""What a worker's own probes of its backend say (`services.fleet.health`; lesson 13)."""
 
 
 class WorkerRecord(Wire, frozen=True, kw_only=True):
@@ -36,6 +38,14 @@ class WorkerRecord(Wire, frozen=True, kw_only=True):
     """What the backend says of each model in ``models`` (capabilities, digest, size,
     details). A model without an entry (a worker that predates this) is `ModelFacts`'s
     defaults: ``completion`` only."""
+    health: HealthStatus = "healthy"
+    """``degraded``: the worker's own probe (or a task) found its backend not working; nothing
+    is routed to it until a probe passes. A worker that predates this says ``healthy``."""
+    health_reason: str | None = None
+    """Why it is degraded (always set then): the failed probe's or task's error."""
+    health_since: float | None = None
+    """When ``health`` last changed (the start, for a worker never degraded); None from a
+    worker that does not probe its backend (a web-search worker, or one that predates this)."""
 
     def facts_of(self, model: str) -> ModelFacts:
         """The facts of one of ``models`` (defaults when the worker gave none)."""

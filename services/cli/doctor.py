@@ -1,7 +1,9 @@
 """``coordinator doctor``: is the fleet as it should be? One line per check.
 
 It looks at NATS and JetStream (server version; streams, buckets and consumers as the services
-make them), PostgreSQL, each registered worker's model server, and for the fleet's known
+make them), PostgreSQL, each registered worker's model server (as the worker's own probe says
+in its registration: the doctor's host may not reach it, and a model list that answers says
+little of generations, lesson 13), and for the fleet's known
 failure modes: duplicate consumers (two processes pulling one worker's queue), ghost queues
 (tasks waiting where nobody pulls), stale registrations (a heartbeat older than the TTL) and
 version skew between services. On Linux it also reads the systemd unit files and names units
@@ -18,15 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import urlsplit
 
 from schemas.subjects import (
     ASLEEP_BUCKET,
@@ -36,41 +35,11 @@ from schemas.subjects import (
     TASKS_SUBJECTS,
     WORKERS_BUCKET,
 )
-from schemas.workers import WorkerRecord
 from services.cli.doctor_checks import DEFAULT_TTL_S, Check, Gathered, evaluate
 from services.cli.unit_scan import scan_unit_dirs
 
 EXIT_PROBLEM: Final = 1
 DEFAULT_UNIT_DIRS: Final = ("/etc/systemd/system", "~/.config/systemd/user")
-
-
-def _loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(host).is_loopback
-    return False
-
-
-async def _probe_backend(record: WorkerRecord, here: str) -> str | None:
-    """None when the worker's model server answers its model list; else what is wrong."""
-    import httpx
-
-    url = record.backend_url
-    if not url:
-        return None  # an older worker that does not say
-    if _loopback(url) and record.host.split(".")[0] != here:
-        return None  # its own loopback: only reachable from its host
-    path = "/models" if record.backend == "openai" else "/api/tags"
-    try:
-        async with httpx.AsyncClient(timeout=3.0) as client:
-            reply = await client.get(url.rstrip("/") + path)
-    except httpx.HTTPError as exc:
-        return f"{record.backend} at {url} cannot be reached ({type(exc).__name__})"
-    if reply.status_code != 200:
-        return f"{record.backend} at {url} answered {path} with HTTP {reply.status_code}"
-    return None
 
 
 async def _service_infos(nc: Any, wait_s: float) -> list[tuple[str, str, str]]:
@@ -156,9 +125,6 @@ async def gather(
         g.services = await _service_infos(nc, info_wait_s)
     finally:
         await nc.close()
-    here = socket.gethostname().split(".")[0]
-    problems = await asyncio.gather(*(_probe_backend(r, here) for r in g.records))
-    g.backends = {r.worker_id: p for r, p in zip(g.records, problems, strict=True)}
     if pg_dsn:
         g.postgres, g.postgres_detail = await _probe_postgres(pg_dsn)
     return g

@@ -1,7 +1,8 @@
 """``coordinator doctor``'s checks: pure functions of what was gathered (`Gathered`).
 
 Each check gives one line: NATS and JetStream, the streams, buckets and consumers as the
-services make them, PostgreSQL, each registered worker's model server, and the fleet's known
+services make them, PostgreSQL, each live worker's model server (from its own probe, in its
+registration), and the fleet's known
 failure modes: duplicate consumers (two processes pulling one worker's queue), ghost queues
 (tasks waiting where nobody pulls), stale registrations (a heartbeat older than the TTL),
 version skew between services and systemd units that start the same worker.
@@ -73,7 +74,6 @@ class Gathered:
     services: list[tuple[str, str, str]] = field(default_factory=list)  # name, id, version
     postgres: str | None = None  # "" fine, None not configured, text: what is wrong
     postgres_detail: str = ""
-    backends: dict[str, str | None] = field(default_factory=dict)  # worker -> problem or None
     units: dict[str, list[str]] | None = None  # worker id -> unit names; None: not Linux
 
 
@@ -187,6 +187,32 @@ def check_registrations(records: Sequence[WorkerRecord], now: float, ttl_s: floa
     return _verdict("stale registrations", problems, f"{live} worker(s) registered and fresh")
 
 
+def check_backends(records: Sequence[WorkerRecord], now: float, ttl_s: float) -> Check:
+    """Each live inference worker's backend, as the worker's own probe says in its
+    registration (`services.fleet.health`), wherever the doctor runs: a degraded one is a
+    problem with its reason. A worker that does not probe (an older version) is named."""
+    problems: list[str] = []
+    unprobed: list[str] = []
+    inference = [
+        r
+        for r in sorted(records, key=lambda r: r.worker_id)
+        if is_live(r, now, ttl_s) and INFERENCE_CAPABILITIES.intersection(r.supports)
+    ]
+    for r in inference:
+        if r.health == "degraded":
+            since = f" for {now - r.health_since:.0f} s" if r.health_since is not None else ""
+            problems.append(
+                f"{r.worker_id} ({r.backend} at {r.backend_url or '?'}): degraded{since}: "
+                f"{r.health_reason or 'no reason given'}"
+            )
+        elif r.health_since is None:
+            unprobed.append(r.worker_id)
+    fine = f"{len(inference) - len(unprobed)} healthy by their own probes"
+    if unprobed:
+        fine += f"; {', '.join(unprobed)} do not probe their backend (older version)"
+    return _verdict("worker backends", problems, fine)
+
+
 def check_versions(
     records: Sequence[WorkerRecord], services: Sequence[tuple[str, str, str]]
 ) -> Check:
@@ -235,10 +261,7 @@ def evaluate(g: Gathered) -> list[Check]:
         checks.append(Check("postgresql", "problem", g.postgres))
     else:
         checks.append(_ok("postgresql", g.postgres_detail))
-    backend_problems = [f"{w}: {p}" for w, p in sorted(g.backends.items()) if p]
-    checks.append(
-        _verdict("worker backends", backend_problems, f"{len(g.backends)} answered or skipped")
-    )
+    checks.append(check_backends(g.records, g.now, g.ttl_s))
     checks.append(check_duplicates(g.consumers))
     checks.append(check_ghost_queues(g.consumers, g.task_subjects, g.records, g.now, g.ttl_s))
     checks.append(check_registrations(g.records, g.now, g.ttl_s))

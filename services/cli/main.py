@@ -346,14 +346,18 @@ def cmd_workers(args: argparse.Namespace) -> int:
     if not reply.workers:
         print("no live workers")
         return 0
-    header = ("WORKER", "HOST", "TIER", "STATE", "QUEUE", "HEARTBEAT", "MODELS")
-    print("{:<20} {:<16} {:<4} {:<8} {:>5} {:>9}  {}".format(*header))
+    header = ("WORKER", "HOST", "TIER", "STATE", "HEALTH", "QUEUE", "HEARTBEAT", "MODELS")
+    print("{:<20} {:<16} {:<4} {:<8} {:<8} {:>5} {:>9}  {}".format(*header))
     now = time.time()
     for w in reply.workers:
         print(
-            f"{w.worker_id:<20} {w.host:<16} {w.tier:<4} {w.state:<8} {w.queue_depth:>5} "
-            f"{now - w.last_heartbeat:>7.1f}s  {', '.join(_with_capabilities(w))}"
+            f"{w.worker_id:<20} {w.host:<16} {w.tier:<4} {w.state:<8} {w.health:<8} "
+            f"{w.queue_depth:>5} {now - w.last_heartbeat:>7.1f}s  "
+            f"{', '.join(_with_capabilities(w))}"
         )
+        if w.health == "degraded":
+            since = f" for {now - w.health_since:.0f} s" if w.health_since else ""
+            print(f"  ! degraded{since}: {w.health_reason or 'no reason given'}")
         for problem in w.problems:
             print(f"  ! {problem}")
     return 0

@@ -6,7 +6,9 @@ GPU worker when a live GPU worker has it, else to a CPU worker that has it, else
 refused with an error that names the model and why.
 
 It is given the live workers (`services.fleet.liveness.live`); the router applies it to route,
-the reaper to re-route a dead worker's task, with the same answer for the same state.
+the reaper to re-route a dead worker's task, with the same answer for the same state. A worker
+whose own probe says its backend is degraded (`services.fleet.health.routable`) gets nothing:
+it is no candidate, and a request that names it is refused with the reason (lesson 13).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from schemas.models import DEFAULT_CAPABILITIES, does_not_support, missing
 from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE, Tier, worker_queue
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
+from services.fleet.health import degraded_reason, routable
 from services.runtime.errors import NoWorker, UnsupportedCapability, WorkerUnavailable
 
 # The worker name a task on the shared CPU queue is routed to.
@@ -99,7 +102,7 @@ def choose(
     if designated is not None:
         return _designated(model, workers, designated, needs)
 
-    having = [w for w in _inference(workers) if model in w.models]
+    having = [w for w in _inference(workers) if model in w.models and routable(w)]
     if not having:
         raise NoWorker(_why_nobody(model, workers))
     serving = [w for w in having if not lacks(w, model, needs)]
@@ -142,7 +145,8 @@ def _shared_fits(
     them are busy, and every CPU worker that pulls the shared queue serves the model with
     what the task needs."""
     cpu_pool = [w for w in pool if tier_of(w) == "cpu"]
-    cpu_all = [w for w in _inference(workers) if tier_of(w) == "cpu"]
+    # A degraded worker pulls no queue, the shared one included.
+    cpu_all = [w for w in _inference(workers) if tier_of(w) == "cpu" and routable(w)]
     return (
         len(cpu_pool) > 1
         and all(depths.get(w.worker_id, 0) > 0 for w in cpu_pool)
@@ -177,6 +181,8 @@ def _designated(
         raise WorkerUnavailable(
             f"worker '{worker_id}': {does_not_support(model, lacking)} on this worker"
         )
+    if not routable(record):
+        raise WorkerUnavailable(degraded_reason(record))
     tier = tier_of(record)
     return Decision(worker_id, tier, worker_queue(tier, worker_id), "designated worker")
 
@@ -185,7 +191,12 @@ def _why_nobody(model: str, workers: Collection[WorkerRecord]) -> str:
     workers = _inference(workers)
     if not workers:
         return f"no live worker serves model '{model}': no worker is registered and alive"
-    served = sorted({m for w in workers for m in w.models})
+    degraded = [w for w in workers if model in w.models and not routable(w)]
+    if degraded:
+        return f"no healthy worker serves model '{model}': " + "; ".join(
+            degraded_reason(w) for w in sorted(degraded, key=lambda w: w.worker_id)
+        )
+    served = sorted({m for w in workers for m in w.models if routable(w)})
     return (
         f"no live worker serves model '{model}' "
         f"(live workers: {len(workers)}; models they serve: {', '.join(served) or 'none'})"

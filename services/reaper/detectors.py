@@ -5,6 +5,9 @@ Each detector has its threshold (`Thresholds`, from ``ReaperSettings``):
 - **dead worker** (``dead_worker``): a task is queued on or running at a worker whose lease is
   gone, whose heartbeat is older than ``WORKER_TTL_S``, or whose fresh heartbeat says it is no
   longer running the task it started (it was restarted);
+- **degraded worker** (``degraded_worker``): a task queued (not yet running) on the own queue
+  of a live worker whose own probe says its backend is degraded: it pulls nothing until the
+  backend works again, so the task is moved on like a dead worker's;
 - **stuck task** (``stuck_task``): running longer than its own timeout plus ``STUCK_GRACE_S``;
 - **ghost queue** (``ghost_pending``): queued for ``GHOST_AFTER_S`` on a queue where nothing
   has been delivered or acknowledged for as long while its worker is live and idle (registered
@@ -29,11 +32,13 @@ from typing import Final
 
 from schemas.subjects import WEB_POOL, queue_consumer, worker_consumer
 from schemas.workers import WorkerRecord
+from services.fleet.health import degraded_reason, routable
 from services.fleet.liveness import is_live, live
 from services.fleet.policy import SHARED_WORKER
 from services.reaper.view import ConsumerHistory, Instance, TaskTrack
 
 DEAD_WORKER: Final = "dead_worker"
+DEGRADED_WORKER: Final = "degraded_worker"
 STUCK_TASK: Final = "stuck_task"
 GHOST_PENDING: Final = "ghost_pending"
 DUPLICATE_CONSUMER: Final = "duplicate_consumer"
@@ -105,6 +110,7 @@ def detect(snapshot: Snapshot, thresholds: Thresholds) -> Findings:
         finding = (
             retryable_failure(task)
             or dead_worker(task, snapshot, thresholds)
+            or degraded_worker(task, snapshot, thresholds)
             or stuck_task(task, snapshot, thresholds)
             or ghost_pending(task, snapshot, thresholds)
         )
@@ -163,6 +169,18 @@ def dead_worker(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFinding 
     else:
         return None
     return TaskFinding(task.task_id, task.attempt, DEAD_WORKER, holder, detail)
+
+
+def degraded_worker(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFinding | None:
+    """Queued on the own queue of a live worker whose backend is degraded (it pulls nothing
+    meanwhile)."""
+    if task.status != "queued" or task.worker is None or task.worker in POOLS:
+        return None
+    record = snap.workers.get(task.worker)
+    if record is None or not is_live(record, snap.now, th.dead_after_s) or routable(record):
+        return None
+    detail = f"queued on {task.queue}; {degraded_reason(record)}"
+    return TaskFinding(task.task_id, task.attempt, DEGRADED_WORKER, task.worker, detail)
 
 
 def stuck_task(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFinding | None:
@@ -237,8 +255,11 @@ def _pool_pullers(task: TaskTrack, snap: Snapshot, th: Thresholds) -> list[Worke
     alive = live(snap.workers.values(), snap.now, th.dead_after_s)
     if task.worker == WEB_POOL:
         return [w for w in alive if "web_search" in w.supports]
-    # Every worker that can run on its CPU binds the shared consumer (services/worker).
-    return [w for w in alive if "cpu_inference" in w.supports and task.model in w.models]
+    # Every worker that can run on its CPU binds the shared consumer (services/worker); a
+    # degraded one pulls nothing.
+    return [
+        w for w in alive if "cpu_inference" in w.supports and task.model in w.models and routable(w)
+    ]
 
 
 def duplicates(snap: Snapshot, th: Thresholds) -> list[DuplicateFinding]:

@@ -55,6 +55,9 @@ def workers_reply(
             queue_depth=depth.get(r.worker_id, 0),
             problems=problems.of(r.worker_id, now),
             facts=r.facts,
+            health=r.health,
+            health_reason=r.health_reason,
+            health_since=r.health_since,
         )
         for r in sorted(liveness.live(view.workers.values(), now, ttl_s), key=lambda r: r.worker_id)
     ]

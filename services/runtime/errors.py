@@ -175,6 +175,13 @@ class BackendTimeout(BackendError):
     code = "backend_timeout"
     retryable = True
 
+    def __init__(self, message: str, *, stalled: bool = False) -> None:
+        super().__init__(message)
+        self.stalled = stalled
+        """True for a generation that sent no first token within ``FIRST_TOKEN_TIMEOUT_S``,
+        or nothing for ``PROGRESS_TIMEOUT_S`` mid-stream: the backend hangs, and the worker
+        is degraded (False: the task's own timeout ran out)."""
+
 
 class BackendUnavailable(BackendError):
     """The model server could not be reached at all."""

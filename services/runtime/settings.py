@@ -154,6 +154,17 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
     """CPU workers also pull ``tasks.cpu.shared``."""
     sanity_check: bool = True
     sanity_timeout_s: float = 120.0
+    # Backend health (services/fleet/health.py): the worker's own probes, between tasks.
+    health_interval_s: float = 30.0
+    """Between two probes while idle: the model list, or while degraded a generation."""
+    health_idle_probe_s: float = 600.0
+    """Idle this long since the last generation that worked: a one-token generation per
+    model (which loads it, if it was not). 0: never."""
+    first_token_timeout_s: float = 120.0
+    """A generation's first streamed line must come within this (a cold load of a big model
+    included); else it fails ``backend_timeout`` and the worker is degraded."""
+    progress_timeout_s: float = 60.0
+    """The longest silence between two streamed lines of a generation."""
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     worker_ttl_s: float = DEFAULT_WORKER_TTL_S
     ack_wait_s: float = DEFAULT_ACK_WAIT_S
@@ -180,6 +191,11 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
             raise ConfigError("WORKER_SUPPORTS: name at least one of cpu_inference, gpu_inference")
         if self.heartbeat_interval_s <= 0 or self.worker_ttl_s <= self.heartbeat_interval_s:
             raise ConfigError("WORKER_TTL_S must be longer than HEARTBEAT_INTERVAL_S (> 0)")
+        for name in ("health_interval_s", "first_token_timeout_s", "progress_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name.upper()} must be a positive number of seconds")
+        if self.health_idle_probe_s < 0:
+            raise ConfigError("HEALTH_IDLE_PROBE_S must not be negative (0: never)")
 
 
 def default_web_worker_id() -> str:

@@ -15,6 +15,7 @@ from schemas.models import ModelFacts
 from schemas.tasks import TaskMessage
 from schemas.workers import Capability
 from services.backends import OnChunk, Progress
+from services.fleet.health import Health
 from services.runtime.consumers import Queue
 from services.runtime.sleep import SleepPolicy
 
@@ -133,3 +134,20 @@ class Kind(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class HealthWatch(Protocol):
+    """A kind's watch on its own backend (the inference kind's `services.worker.probe`): the
+    loop asks it to probe between tasks only, heartbeats what it says, and pulls nothing
+    while it says ``degraded``."""
+
+    @property
+    def health(self) -> Health: ...
+
+    def due(self) -> bool:
+        """Is a probe due now?"""
+        ...
+
+    async def check(self) -> None:
+        """Run the probe that is due, if any."""
+        ...

@@ -53,7 +53,7 @@ from services.runtime.errors import LeaseLost
 from services.runtime.lease import Lease, deregister
 from services.runtime.pull import pull_one
 from services.runtime.sleep import forget_sleeping, go_to_sleep, watch_idle
-from services.runtime.taskkind import Kind, LoopSettings
+from services.runtime.taskkind import HealthWatch, Kind, LoopSettings
 from services.runtime.taskrun import TaskRunner
 
 log = structlog.get_logger("taskloop")
@@ -67,6 +67,8 @@ FIRST_POLL_S = 1.0
 OTHER_POLL_S = 0.2
 # Cancel notices kept for tasks this worker may take later (queued ones); oldest forgotten first.
 CANCEL_MEMORY = 1024
+# How often a degraded worker (which pulls nothing) asks whether a probe is due.
+DEGRADED_LOOK_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +82,11 @@ class Source:
 class TaskLoop:
     """Registers a worker of one kind, heartbeats, and runs its tasks strictly one at a time."""
 
-    def __init__(self, nc: Client, kind: Kind, settings: LoopSettings) -> None:
+    def __init__(
+        self, nc: Client, kind: Kind, settings: LoopSettings, health: HealthWatch | None = None
+    ) -> None:
         self.nc = nc
+        self.health = health
         self.js: JetStreamContext = nc.jetstream()
         self.kind = kind
         self.settings = settings
@@ -95,6 +100,7 @@ class TaskLoop:
 
     def record(self) -> WorkerRecord:
         s = self.settings
+        health = self.health.health if self.health is not None else None
         return WorkerRecord(
             worker_id=s.worker_id,
             host=s.host,
@@ -112,6 +118,9 @@ class TaskLoop:
             backend_url=self.kind.address,
             wol_mac=s.wol_mac,
             facts=self.kind.facts,
+            health=health.status if health is not None else "healthy",
+            health_reason=health.reason if health is not None else None,
+            health_since=health.since if health is not None else None,
         )
 
     # -- start and stop ------------------------------------------------------------------------
@@ -224,6 +233,8 @@ class TaskLoop:
         watch = asyncio.create_task(self._stop_watch(stop))
         try:
             while not (stop.is_set() or lost.is_set() or self.asleep.is_set()):
+                if not await self._healthy(stop):
+                    continue  # degraded: nothing pulled (the reaper moves what waits here)
                 polls_now, polls = polls, usual
                 for source, poll_s in polls_now:
                     msg = await self._fetch_one(source.sub, poll_s)
@@ -236,6 +247,27 @@ class TaskLoop:
                     break
         finally:
             watch.cancel()
+
+    async def _healthy(self, stop: asyncio.Event) -> bool:
+        """Between tasks: run the backend probe that is due (stopped by ``stop``); False
+        while the backend is degraded, after a short wait."""
+        if self.health is None:
+            return True
+        if self.health.due():
+            probe = asyncio.create_task(self.health.check())
+            stopping = asyncio.create_task(stop.wait())
+            try:
+                await asyncio.wait({probe, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+                probe.cancel()  # a no-op once it is done; stopped midway by a stop
+            if probe.done() and not probe.cancelled() and probe.exception() is not None:
+                log.warning("backend probe failed", error=repr(probe.exception()))
+        if self.health.health.status == "healthy":
+            return True
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=DEGRADED_LOOK_S)
+        return False
 
     async def _fetch_one(
         self, source: JetStreamContext.PullSubscription, poll_s: float

@@ -24,6 +24,7 @@ from schemas.subjects import worker_consumer, worker_queue_filter
 from schemas.tasks import TaskMessage, needs_of
 from services.backends import Backend, Embedding, Generation, OnChunk, Progress
 from services.backends.choose import make_backend
+from services.fleet.health import HealthPolicy
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import connect
 from services.runtime.consumers import CPU_POOL, Queue
@@ -32,6 +33,7 @@ from services.runtime.settings import WorkerSettings
 from services.runtime.sleep import SleepPolicy
 from services.runtime.taskkind import Attempt, LoopSettings, loop_settings
 from services.runtime.taskloop import TaskLoop
+from services.worker.probe import BackendProbe, failure_of, watched
 
 log = structlog.get_logger("worker")
 tracer = trace.get_tracer("coordinator.worker")
@@ -53,6 +55,16 @@ class Inference:
         # What the backend says of each served model, by its served name.
         self.served_facts: dict[str, ModelFacts] = {}
         self.aliases = AliasFollower(nc.jetstream())
+        self.probe = BackendProbe(
+            backend,
+            HealthPolicy(
+                interval_s=settings.health_interval_s,
+                idle_probe_s=settings.health_idle_probe_s or None,
+            ),
+            served=self.probe_targets,
+            first_token_s=settings.first_token_timeout_s,
+            progress_s=settings.progress_timeout_s,
+        )
 
     @property
     def address(self) -> str:
@@ -71,6 +83,15 @@ class Inference:
             for name, facts in self.served_facts.items()
             if name in self.served
         ]
+
+    def probe_targets(self) -> list[tuple[str, bool]]:
+        """Each served model by its backend name, and whether it only embeds (its probe is
+        one embedding then: it refuses generation)."""
+        return [(name, self._embeds_only(name)) for name in self.served]
+
+    def _embeds_only(self, served_name: str) -> bool:
+        capabilities = self.capabilities(served_name)
+        return COMPLETION not in capabilities and EMBEDDING in capabilities
 
     def capabilities(self, served_name: str) -> list[str]:
         return self.served_facts.get(served_name, ModelFacts(name=served_name)).capabilities
@@ -148,8 +169,7 @@ class Inference:
     async def _sanity_run(self, model: str) -> float:
         """One tiny generation, or for an embedding-only model (which refuses generation) one
         tiny embedding; returns its total milliseconds."""
-        capabilities = self.capabilities(model)
-        if COMPLETION not in capabilities and EMBEDDING in capabilities:
+        if self._embeds_only(model):
             embedded = await self.backend.embed(
                 model, ["OK"], timeout_s=self.settings.sanity_timeout_s
             )
@@ -177,6 +197,7 @@ class Inference:
         discovered = await self.discover_models(stop)
         await self.read_facts(discovered)
         self.served = await self.sanity_check(discovered)
+        self.probe.restart()
 
     def serves(self, task: TaskMessage) -> bool:
         """A shared task is for this worker if it has the model with what the task needs."""
@@ -199,6 +220,7 @@ class Inference:
             ):
                 result = await self._call_backend(task, attempt.progress, attempt.on_chunk)
         except BackendError as exc:
+            self.probe.task_ended(failure_of(exc))
             return TaskFailed(
                 at=time.time(),
                 task_id=task.task_id,
@@ -209,6 +231,7 @@ class Inference:
                 retryable=exc.retryable,
                 durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
             )
+        self.probe.task_ended(None)
         if isinstance(result, Embedding):
             return TaskCompleted(
                 at=time.time(),
@@ -254,20 +277,32 @@ class Inference:
                 options=task.options,
                 normalize=task.normalize,
             )
-        return self.backend.generate(
-            model,
-            task.prompt,
-            options=task.options,
-            timeout_s=task.timeout_s,
-            progress=progress,
-            on_chunk=on_chunk,
-            messages=task.messages,
-            think=task.think,
-            images=task.images,
-            tools=task.tools,
-            format=task.format,
-            keep_alive=task.keep_alive,
-            suffix=task.suffix,
+
+        def generate(alive: Progress) -> Awaitable[Generation]:
+            return self.backend.generate(
+                model,
+                task.prompt,
+                options=task.options,
+                timeout_s=task.timeout_s,
+                progress=alive,
+                on_chunk=on_chunk,
+                messages=task.messages,
+                think=task.think,
+                images=task.images,
+                tools=task.tools,
+                format=task.format,
+                keep_alive=task.keep_alive,
+                suffix=task.suffix,
+            )
+
+        # Every generation within the first-token and progress timeouts: a hung backend is
+        # noticed in `FIRST_TOKEN_TIMEOUT_S`, not the task's timeout.
+        return watched(
+            generate,
+            progress,
+            first_token_s=self.settings.first_token_timeout_s,
+            progress_s=self.settings.progress_timeout_s,
+            what=f"{model} on {self.backend.address}",
         )
 
 
@@ -291,7 +326,7 @@ async def serve(
 ) -> None:
     """Run the inference kind on the task loop until ``stop`` (raises `LeaseLost` if taken over)."""
     kind = Inference(nc, settings, backend)
-    await TaskLoop(nc, kind, inference_loop_settings(settings)).run(stop)
+    await TaskLoop(nc, kind, inference_loop_settings(settings), health=kind.probe).run(stop)
 
 
 async def run(settings: WorkerSettings, stop: asyncio.Event) -> None:

@@ -33,7 +33,7 @@ async def test_a_healthy_stack_passes_every_check(
 ) -> None:
     runner.stats(nats_server.url, pg_dsn)
     runner.router(nats_server.url)
-    # On this host, so the doctor calls its model server.
+    # Its backend as its own probe says (the doctor never calls the model server itself).
     runner.start(
         run_worker,
         WorkerSettings(
@@ -104,6 +104,18 @@ async def test_a_ghost_queue_a_stale_entry_and_a_dead_backend_fail_the_doctor_by
         backend_url=f"http://127.0.0.1:{free_port()}",
     )
     await kv.put("esxi", msgspec.json.encode(stale))
+    # A live worker whose own probe finds its model server gone (the doctor does not probe
+    # it from here: it believes the worker beside it).
+    degraded = msgspec.structs.replace(
+        stale,
+        worker_id="nuc",
+        instance_id="j",
+        heartbeat_at=time.time(),
+        health="degraded",
+        health_reason="backend_unavailable: Ollama at http://127.0.0.1:1 cannot be reached",
+        health_since=time.time() - 30,
+    )
+    await kv.put("nuc", msgspec.json.encode(degraded))
     units = tmp_path / "units"
     units.mkdir()
     for name in ("ollama-worker.service", "coordinator-worker.service"):
@@ -126,7 +138,9 @@ async def test_a_ghost_queue_a_stale_entry_and_a_dead_backend_fail_the_doctor_by
         "worker-moon: 1 task(s) waiting, worker moon is not live" in lines["problem ghost queues"]
     )
     assert "esxi on" in lines["problem stale registrations"]
-    assert "cannot be reached" in lines["problem worker backends"]
+    assert "nuc (ollama at http" in lines["problem worker backends"]
+    assert " s: backend_unavailable: Ollama at" in lines["problem worker backends"]
+    assert "esxi" not in lines["problem worker backends"]  # stale: its own check says so
     assert "started by 2 units" in lines["problem service units"]
     assert "no 'stats' consumer" in lines["problem consumers"]
     assert lines["skipped postgresql"]

@@ -1,0 +1,277 @@
+"""Backend health as a fact (lesson 13): the worker's probe rules, and what routing, the reaper
+and the doctor make of a degraded worker. Pure: no servers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from schemas.workers import WorkerRecord
+from services.cli.doctor_checks import check_backends
+from services.fleet import health
+from services.fleet.health import Failure, HealthPolicy
+from services.fleet.policy import choose
+from services.reaper.decisions import Fail, Move, decide
+from services.reaper.detectors import Snapshot, Thresholds, detect
+from services.reaper.view import TaskTrack
+from services.runtime.errors import BackendError, BackendTimeout, NoWorker, WorkerUnavailable
+from services.worker.probe import failure_of, watched
+
+NOW = 1_000.0
+POLICY = HealthPolicy(interval_s=30.0, idle_probe_s=600.0)
+TH = Thresholds(dead_after_s=3.0, stuck_grace_s=30.0, ghost_after_s=10.0, duplicate_samples=2)
+HUNG = "backend_timeout: no first token from m on http://x within 120 s"
+
+
+def worker(worker_id: str, *models: str, **fields: Any) -> WorkerRecord:
+    values: dict[str, Any] = {
+        "worker_id": worker_id,
+        "host": f"host-{worker_id}",
+        "instance_id": "i",
+        "pid": 1,
+        "version": "t",
+        "supports": ["cpu_inference"],
+        "models": list(models) or ["m"],
+        "started_at": NOW - 100,
+        "heartbeat_at": NOW - 0.5,
+        "health_since": NOW - 50,
+        **fields,
+    }
+    return WorkerRecord(**values)
+
+
+def degraded(worker_id: str, *models: str, **fields: Any) -> WorkerRecord:
+    return worker(worker_id, *models, health="degraded", health_reason=HUNG, **fields)
+
+
+# -- the state machine
+
+
+def test_a_healthy_idle_worker_lists_models_every_interval_and_nothing_in_between() -> None:
+    state = health.start(NOW)
+    assert health.due(state, POLICY, NOW + 29) is None
+    assert health.due(state, POLICY, NOW + 30) == "list"
+    listed = health.probed(state, "list", None, NOW + 30)
+    assert health.due(listed, POLICY, NOW + 59) is None
+    assert (listed.status, listed.since) == ("healthy", NOW)
+
+
+def test_idle_long_it_runs_a_generation_and_a_task_that_worked_counts_as_one() -> None:
+    state = health.start(NOW)
+    assert health.due(state, POLICY, NOW + 600) == "generate"
+    worked = health.task_ended(state, None, NOW + 500)
+    assert health.due(worked, POLICY, NOW + 600) == "list"
+    assert health.due(worked, POLICY, NOW + 1100) == "generate"
+    never = HealthPolicy(interval_s=30.0, idle_probe_s=None)
+    assert health.due(state, never, NOW + 10_000) == "list"
+
+
+def test_a_failed_list_degrades_and_only_a_passed_generation_heals() -> None:
+    down = health.probed(health.start(NOW), "list", "backend_unavailable: refused", NOW + 30)
+    assert (down.status, down.reason, down.since) == (
+        "degraded",
+        "backend_unavailable: refused",
+        NOW + 30,
+    )
+    assert health.due(down, POLICY, NOW + 40) is None
+    assert health.due(down, POLICY, NOW + 60) == "generate"
+    listed = health.probed(down, "list", None, NOW + 60)
+    assert listed.status == "degraded"  # a list that answers is not the work
+    still = health.probed(down, "generate", "probe of m: backend_error: HTTP 500", NOW + 60)
+    assert (still.status, still.since) == ("degraded", NOW + 30)
+    assert still.reason == "probe of m: backend_error: HTTP 500"
+    healed = health.probed(still, "generate", None, NOW + 90)
+    assert (healed.status, healed.reason, healed.since) == ("healthy", None, NOW + 90)
+
+
+def test_a_hung_task_degrades_at_once_and_a_probe_follows_right_after() -> None:
+    state = health.task_ended(health.start(NOW), Failure(HUNG, degrades=True), NOW + 5)
+    assert (state.status, state.reason) == ("degraded", HUNG)
+    assert health.due(state, POLICY, NOW + 5) == "generate"
+    after = health.probed(state, "generate", "still hung", NOW + 130)
+    assert not after.recheck
+    assert health.due(after, POLICY, NOW + 131) is None
+
+
+def test_an_error_answer_does_not_degrade_but_asks_for_a_generation_probe() -> None:
+    state = health.task_ended(
+        health.start(NOW), Failure("backend_error: HTTP 400", degrades=False), NOW + 5
+    )
+    assert state.status == "healthy"
+    assert health.due(state, POLICY, NOW + 5) == "generate"
+    assert health.probed(state, "generate", None, NOW + 6).recheck is False
+
+
+def test_which_task_failures_degrade() -> None:
+    assert failure_of(BackendTimeout("no first token", stalled=True)).degrades
+    assert not failure_of(BackendTimeout("did not finish m within 300 s")).degrades
+    assert not failure_of(BackendError("Ollama answered HTTP 400: bad format")).degrades
+    from services.runtime.errors import BackendUnavailable
+
+    unreachable = failure_of(BackendUnavailable("refused"))
+    assert unreachable.degrades and unreachable.reason == "backend_unavailable: refused"
+
+
+# -- the first-token and progress timeouts
+
+
+async def streaming(progress: Any, gaps: list[float]) -> str:
+    for gap in gaps:
+        await asyncio.sleep(gap)
+        await progress()
+    return "done"
+
+
+async def test_a_stream_within_both_timeouts_is_left_alone() -> None:
+    calls: list[int] = []
+
+    async def counted() -> None:
+        calls.append(1)
+
+    result = await watched(
+        lambda p: streaming(p, [0.05, 0.05, 0.05]),
+        counted,
+        first_token_s=0.2,
+        progress_s=0.2,
+        what="m",
+    )
+    assert result == "done" and len(calls) == 3
+
+
+async def test_no_first_token_in_time_is_a_stalled_backend_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(BackendTimeout) as caught:
+        await watched(
+            lambda p: streaming(p, [5.0]), None, first_token_s=0.1, progress_s=1.0, what="m on x"
+        )
+    assert time.monotonic() - started < 1.0
+    assert caught.value.stalled
+    assert caught.value.message == "no first token from m on x within 0.1 s"
+
+
+async def test_silence_mid_stream_past_the_progress_timeout_is_a_stall() -> None:
+    with pytest.raises(BackendTimeout) as caught:
+        await watched(
+            lambda p: streaming(p, [0.01, 0.01, 5.0]),
+            None,
+            first_token_s=1.0,
+            progress_s=0.1,
+            what="m",
+        )
+    assert caught.value.message == "m stalled: nothing streamed for 0.1 s"
+
+
+# -- routing
+
+
+def test_a_degraded_worker_gets_nothing_and_another_healthy_one_does() -> None:
+    fleet = [degraded("a"), worker("b")]
+    assert choose("m", fleet).worker_id == "b"
+
+
+def test_when_only_degraded_workers_serve_the_model_the_error_names_the_reason() -> None:
+    with pytest.raises(NoWorker) as caught:
+        choose("m", [degraded("a"), worker("b", "other")])
+    assert caught.value.code == "no_worker"
+    assert caught.value.message == (
+        f"no healthy worker serves model 'm': worker 'a' is degraded: {HUNG}"
+    )
+
+
+def test_a_request_naming_a_degraded_worker_is_refused_with_the_reason() -> None:
+    with pytest.raises(WorkerUnavailable) as caught:
+        choose("m", [degraded("a"), worker("b")], designated="a")
+    assert caught.value.message == f"worker 'a' is degraded: {HUNG}"
+
+
+def test_the_shared_queue_does_not_count_on_a_degraded_cpu_worker() -> None:
+    # b and c busy; a degraded (pulls nothing) lacks nothing, yet the shared queue is fine.
+    fleet = [degraded("a", "n"), worker("b", "m"), worker("c", "m")]
+    decision = choose("m", fleet, depth={"b": 1, "c": 1})
+    assert decision.worker_id == "shared"
+
+
+# -- the reaper
+
+
+def queued(**fields: Any) -> TaskTrack:
+    values: dict[str, Any] = {
+        "task_id": "t-1",
+        "model": "m",
+        "timeout_s": 60.0,
+        "attempt": 1,
+        "status": "queued",
+        "since": NOW - 1,
+        "worker": "a",
+        "queue": "tasks.cpu.a",
+        **fields,
+    }
+    return TaskTrack(**values)
+
+
+def snap(tasks: list[TaskTrack], workers: list[WorkerRecord]) -> Snapshot:
+    return Snapshot(
+        now=NOW,
+        tasks={t.task_id: t for t in tasks},
+        workers={w.worker_id: w for w in workers},
+        judging_since=NOW - 60,
+    )
+
+
+def test_a_task_queued_on_a_degraded_worker_is_found_at_once_and_moved() -> None:
+    workers = [degraded("a"), worker("b")]
+    (finding,) = detect(snap([queued()], workers), TH).tasks
+    assert (finding.reason, finding.worker) == ("degraded_worker", "a")
+    assert finding.detail == f"queued on tasks.cpu.a; worker 'a' is degraded: {HUNG}"
+    plan = decide(finding, queued(), workers, now=NOW, ttl_s=3.0, max_attempts=5)
+    assert isinstance(plan, Move)
+    assert (plan.attempt, plan.decision.worker_id) == (2, "b")
+
+
+def test_a_degraded_workers_running_task_and_a_healthy_workers_queue_are_left_alone() -> None:
+    running = queued(status="running", runner="a")
+    busy = degraded("a", state="busy", current_task="t-1")
+    assert detect(snap([running], [busy]), TH).tasks == []
+    assert detect(snap([queued()], [worker("a")]), TH).tasks == []
+
+
+def test_a_task_asked_of_a_degraded_worker_by_name_fails_naming_the_reason() -> None:
+    task = queued(designated="a")
+    workers = [degraded("a"), worker("b")]
+    (finding,) = detect(snap([task], workers), TH).tasks
+    plan = decide(finding, task, workers, now=NOW, ttl_s=3.0, max_attempts=5)
+    assert isinstance(plan, Fail)
+    assert plan.code == "worker_unavailable"
+    assert HUNG in plan.reason and "reason=degraded_worker" in plan.reason
+
+
+def test_with_no_healthy_alternative_it_fails_as_a_single_point_of_failure() -> None:
+    workers = [degraded("a"), degraded("b")]
+    (finding,) = detect(snap([queued()], workers), TH).tasks
+    plan = decide(finding, queued(), workers, now=NOW, ttl_s=3.0, max_attempts=5)
+    assert isinstance(plan, Fail)
+    assert plan.code == "no_alternative_worker"
+    assert "reason=degraded_worker" in plan.reason
+
+
+# -- the doctor
+
+
+def test_the_doctor_reports_each_workers_own_probe() -> None:
+    fine = check_backends([worker("a"), worker("old", health_since=None)], NOW, 3.0)
+    assert fine.status == "ok"
+    assert fine.detail == (
+        "1 healthy by their own probes; old do not probe their backend (older version)"
+    )
+    bad = check_backends(
+        [worker("a"), degraded("b", backend_url="http://b:11434", health_since=NOW - 12)],
+        NOW,
+        3.0,
+    )
+    assert bad.status == "problem"
+    assert bad.detail == f"b (ollama at http://b:11434): degraded for 12 s: {HUNG}"
+    gone = degraded("c", heartbeat_at=NOW - 60)
+    assert check_backends([gone], NOW, 3.0).status == "ok"  # stale: not this check's
