@@ -71,6 +71,38 @@ def secured() -> Iterator[NatsServer]:
             server.stop()
 
 
+def run_fleet(
+    runner: ServiceRunner,
+    url: str,
+    ollama_url: str,
+    *,
+    pg_dsn: str | None = None,
+    reaper: bool = False,
+) -> None:
+    """The router and worker `WORKER` (and the stats service, the reaper), each under its
+    own user of the shipped configuration."""
+    if pg_dsn is not None:
+        runner.start(
+            run_stats,
+            StatsSettings(
+                nats_url=url, pg_dsn=pg_dsn, nats_user="stats", nats_password=password("stats")
+            ),
+        )
+    runner.router(url, nats_user="router", nats_password=password("router"))
+    if reaper:
+        runner.start(
+            run_reaper,
+            ReaperSettings(nats_url=url, nats_user="reaper", nats_password=password("reaper")),
+        )
+    runner.worker(
+        url,
+        ollama_url,
+        WORKER,
+        nats_user=f"worker-{WORKER}",
+        nats_password=password(f"worker-{WORKER}"),
+    )
+
+
 class Violations:
     """The server's permission errors a connection received."""
 
@@ -113,24 +145,7 @@ async def test_each_service_does_its_work_under_its_own_user(
 ) -> None:
     url = secured.url
     with capture_logs() as logs:
-        runner.start(
-            run_stats,
-            StatsSettings(
-                nats_url=url, pg_dsn=pg_dsn, nats_user="stats", nats_password=password("stats")
-            ),
-        )
-        runner.router(url, nats_user="router", nats_password=password("router"))
-        runner.start(
-            run_reaper,
-            ReaperSettings(nats_url=url, nats_user="reaper", nats_password=password("reaper")),
-        )
-        runner.worker(
-            url,
-            ollama.url,
-            WORKER,
-            nats_user=f"worker-{WORKER}",
-            nats_password=password(f"worker-{WORKER}"),
-        )
+        run_fleet(runner, url, ollama.url, pg_dsn=pg_dsn, reaper=True)
         client = await connect_as(secured, "client")
         try:
 

@@ -37,8 +37,6 @@ from schemas.subjects import (
 from schemas.workers import worker_record_decoder
 from services.cli.permissions import EXAMPLE_WEB_WORKERS
 from services.runtime.request import stream_call
-from services.runtime.settings import StatsSettings
-from services.stats.service import run as run_stats
 from tests.harness import ServiceRunner, eventually, request, workers_live
 from tests.integration.test_gateway import start_gateway
 from tests.integration.test_nats_permissions import (
@@ -47,6 +45,7 @@ from tests.integration.test_nats_permissions import (
     admin,
     connect_as,
     password,
+    run_fleet,
     secured,
 )
 
@@ -171,15 +170,7 @@ async def test_the_jobs_user_reads_answers_but_no_prompt(
 async def test_a_streamed_answer_reaches_its_client_through_the_router_and_nobody_else(
     secured: NatsServer, admin: Client, ollama: FakeOllama, runner: ServiceRunner
 ) -> None:
-    url = secured.url
-    runner.router(url, nats_user="router", nats_password=password("router"))
-    runner.worker(
-        url,
-        ollama.url,
-        WORKER,
-        nats_user=f"worker-{WORKER}",
-        nats_password=password(f"worker-{WORKER}"),
-    )
+    run_fleet(runner, secured.url, ollama.url)
     client = await connect_as(secured, "client")
     eve_errors = Violations()
     eve = await connect_as(secured, "gateway", eve_errors)  # another role, same machine
@@ -236,23 +227,9 @@ async def test_a_worker_cannot_forge_another_workers_outcome(
     outcome. On the other worker's subject the server refuses it; on its own subject it is
     stored but nobody takes it: the client, the router's lookups and the statistics keep the
     real answer, and the router and the stats service log the refusal."""
-    url = secured.url
     forger_id = EXAMPLE_WEB_WORKERS[0]  # another worker user of the shipped configuration
     with capture_logs() as logs:
-        runner.start(
-            run_stats,
-            StatsSettings(
-                nats_url=url, pg_dsn=pg_dsn, nats_user="stats", nats_password=password("stats")
-            ),
-        )
-        runner.router(url, nats_user="router", nats_password=password("router"))
-        runner.worker(
-            url,
-            ollama.url,
-            WORKER,
-            nats_user=f"worker-{WORKER}",
-            nats_password=password(f"worker-{WORKER}"),
-        )
+        run_fleet(runner, secured.url, ollama.url, pg_dsn=pg_dsn)
         client = await connect_as(secured, "client")
         errors = Violations()
         forger = await connect_as(secured, f"web-{forger_id}", errors)
