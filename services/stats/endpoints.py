@@ -48,6 +48,7 @@ from schemas.subjects import (
     ALIAS_ADD,
     ALIAS_REMOVE,
     ALIASES,
+    EVENTS_STREAM,
     STATS,
     STATS_BASELINES,
     STATS_EXCLUDE,
@@ -55,6 +56,7 @@ from schemas.subjects import (
     STATS_INCLUDE,
     STATS_REBUILD,
     TASK,
+    task_events,
 )
 from services.fleet.aliases import check_alias
 from services.runtime.bus import publish_event
@@ -109,8 +111,13 @@ class StatsEndpoints:
         ]
 
     async def handle_task(self, body: bytes) -> bytes:
-        """``coordinator.task``: the task as projected so far."""
+        """``coordinator.task``: the task as projected, read-your-writes: when the stream holds
+        a later event of the task than the projection has applied (the end its client has
+        just been told), the answer waits for it (at most `PROJECTED_WAIT_S`)."""
         query = parse_task_query(body)
+        last = await self._last_event_seq(query.task_id)
+        if last is not None:
+            await self._when_projected(lambda: self._applied(last), what="task event")
         view = await self.store.get_task(query.task_id)
         if view is None:
             raise NotFound(f"no task '{query.task_id}' (it may not be projected yet)")
@@ -256,7 +263,9 @@ class StatsEndpoints:
         except Exception as exc:
             raise Unavailable(f"could not record the {kind_of(event)} event: {exc!r}") from exc
 
-    async def _when_projected(self, probe: Callable[[], Awaitable[T | None]]) -> T | None:
+    async def _when_projected(
+        self, probe: Callable[[], Awaitable[T | None]], what: str = "operator event"
+    ) -> T | None:
         """``probe()`` once it returns something, or None after `PROJECTED_WAIT_S`."""
         deadline = time.monotonic() + PROJECTED_WAIT_S
         while time.monotonic() < deadline:
@@ -264,5 +273,17 @@ class StatsEndpoints:
             if result is not None:
                 return result
             await asyncio.sleep(0.05)
-        log.warning("operator event not projected in time; replying anyway")
+        log.warning("not projected in time; replying anyway", waited_for=what)
         return None
+
+    async def _last_event_seq(self, task_id: str) -> int | None:
+        """The stream position of the task's latest event (None: the stream has none, or
+        cannot say now: the projection's answer stands)."""
+        try:
+            stored = await self.js.get_last_msg(EVENTS_STREAM, task_events(task_id), direct=True)
+        except Exception:
+            return None
+        return stored.seq
+
+    async def _applied(self, seq: int) -> bool | None:
+        return True if await self.store.applied(seq) else None

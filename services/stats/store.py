@@ -267,6 +267,18 @@ class Store:
                     )
                 )
 
+    async def applied(self, stream_seq: int) -> bool:
+        """Has this projection applied the event at ``stream_seq``?"""
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                found = await conn.fetchval(
+                    "SELECT true FROM projection_tracking WHERE projection = $1 "
+                    "AND stream_seq = $2",
+                    TASKS_PROJECTION,
+                    stream_seq,
+                )
+        return bool(found)
+
     async def last_seq(self) -> int:
         """The highest stream sequence this projection has applied (0 if none)."""
         with database_errors():

@@ -81,8 +81,10 @@ async def records(nc: Client, count: int, *, router: bool = True) -> dict[str, W
 
 
 async def task_kinds(nc: Client) -> int:
-    info = await nc.jetstream().stream_info(EVENTS_STREAM)
-    return int(info.state.messages)
+    """How many task events the stream holds (not the workers' own events: a worker's
+    ``registered`` may be stored after the registry lists its models)."""
+    info = await nc.jetstream().stream_info(EVENTS_STREAM, subjects_filter="events.task.>")
+    return sum((info.state.subjects or {}).values())
 
 
 @pytest.fixture

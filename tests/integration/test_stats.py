@@ -37,6 +37,7 @@ from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.errors import Unavailable
 from services.runtime.settings import StatsSettings
 from services.stats.projection import TaskState
+from services.stats.rows import TASK_LOCK_SPACE
 from services.stats.service import run
 from services.stats.store import Store
 
@@ -410,3 +411,61 @@ async def test_events_wait_unacked_while_the_database_fails_and_are_applied_afte
     assert view is not None
     assert view.status == "done"
     assert [(f.count, f.failures) for f in figures] == [(1, 0)]
+
+
+async def test_a_task_query_waits_for_an_end_the_stream_holds_but_the_projection_has_not_applied(
+    nats_server: NatsServer, pg_dsn: str
+) -> None:
+    """Read-your-writes: a client told its task ended asks ``coordinator.task`` at once; the
+    projection is behind (here: held on the task's lock), so the answer waits for it."""
+    async with (
+        bus(nats_server.url) as (nc, js),
+        running_stats(nc, settings_for(nats_server, pg_dsn)),
+    ):
+        holder = await asyncpg.connect(pg_dsn)
+        try:
+            held = holder.transaction()
+            await held.start()
+            await holder.execute(
+                "SELECT pg_advisory_xact_lock($1, hashtext($2))", TASK_LOCK_SPACE, "t-ryw"
+            )
+            await publish_all(js, life_of("t-ryw"))
+            asked = asyncio.create_task(nc.request(TASK, b'{"task_id": "t-ryw"}', timeout=10))
+            await asyncio.sleep(0.5)
+            assert not asked.done()  # the projection cannot apply the task yet: the answer waits
+            await held.rollback()
+        finally:
+            await holder.close()
+        reply = msgspec.json.decode((await asked).data, type=TaskView)
+    assert (reply.status, reply.response) == ("done", "four")
+
+
+async def test_the_projection_takes_no_workers_event_for_an_attempt_routed_elsewhere(
+    nats_server: NatsServer, pg_dsn: str
+) -> None:
+    forged = TaskCompleted(
+        at=T0 + 5.0,
+        task_id="t-forged",
+        attempt=1,
+        worker="eve",
+        model="qwen2.5:7b",
+        response="FORGED",
+        durations=Durations(total_ms=1.0),
+    )
+    life = life_of("t-forged")
+    async with bus(nats_server.url) as (nc, js), store_at(pg_dsn) as store:
+        # Routed to mac; eve's outcome (on eve's own subject) comes before mac's.
+        await publish_all(js, [*life[:3], forged, life[3]])
+        with capture_logs() as logs:
+            async with running_stats(nc, settings_for(nats_server, pg_dsn)):
+
+                async def done() -> TaskState | None:
+                    state = await store.task_state("t-forged")
+                    return state if state is not None and state.status == "done" else None
+
+                state = await eventually(done, what="the task to be done")
+        outcomes = await rows(pg_dsn, "outcomes")
+    assert (state.worker, state.response) == ("mac", "four")
+    assert [(o["task_id"], o["worker"]) for o in outcomes] == [("t-forged", "mac")]
+    [refused] = [e for e in logs if e["event"] == "task event refused"]
+    assert "'eve'" in refused["problem"] and "routed to 'mac'" in refused["problem"]
