@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 from nats.aio.client import Client
-from nats.js.errors import BucketNotFoundError, NoKeysError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
@@ -52,7 +52,10 @@ async def registry(nc: Client) -> dict[str, WorkerRecord]:
         return {}
     records = {}
     for key in keys:
-        entry = await kv.get(key)
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            continue  # it expired (or left) since the listing
         records[key] = msgspec.json.decode(entry.value or b"", type=WorkerRecord)
     return records
 
