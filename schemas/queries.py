@@ -69,6 +69,9 @@ class WorkersReply(Wire, frozen=True, kw_only=True):
     workers: list[WorkerView]
     aliases: dict[str, str] = msgspec.field(default_factory=dict)
     """The model aliases in force, each to the canonical name a request for it is routed as."""
+    settling: bool = False
+    """The router is reading the registry again after a reconnect to NATS
+    (`services.fleet.settling`): a live worker may be missing from ``workers`` for a moment."""
 
 
 __all__ = ["TaskQuery", "TaskStatus", "TaskType", "TaskView", "WorkerView", "WorkersReply"]

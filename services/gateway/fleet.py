@@ -32,6 +32,7 @@ from schemas.models import (
 )
 from schemas.queries import WorkerView
 from services.gateway.common import KEEP_ALIVE_S, ApiError, encoder, iso_now, refusal_status
+from services.runtime.errors import Unavailable
 
 # The order Ollama lists capabilities in; any other a backend names comes after, sorted.
 _CAPABILITY_ORDER: Final = (COMPLETION, EMBEDDING, TOOLS, INSERT, VISION, THINKING)
@@ -139,14 +140,18 @@ def serving(
     aliases: Mapping[str, str] | None = None,
     *,
     pull: bool = False,
+    settling: bool = False,
 ) -> Served:
     """The model ``asked`` names (`resolve`), else the error: 404 in Ollama's words while some
     inference worker is live (for a pull: saying the gateway cannot pull, and where the served
-    models are listed), 503 when none is (`refusal_status`'s rule for ``no_worker``)."""
+    models are listed), 503 when none is (`refusal_status`'s rule for ``no_worker``), and 503
+    ``unavailable`` while the router's view is ``settling`` (`settling_refusal`)."""
     served = served_models(workers)
     found = served.get(resolve(asked, served, aliases or {}))
     if found is not None:
         return found
+    if settling:
+        raise settling_refusal(asked)
     if not any(w.tier != "web" for w in workers):
         raise ApiError(
             refusal_status("no_worker", fleet_has_workers=False),
@@ -160,6 +165,18 @@ def serving(
             " serves this one; GET /api/tags lists the models the fleet serves"
         )
     raise ApiError(refusal_status("no_worker", fleet_has_workers=True), "no_worker", message)
+
+
+def settling_refusal(asked: str) -> ApiError:
+    """A model not found while the router reads the registry again after a reconnect to NATS
+    (``coordinator.workers``' ``settling``): its workers may be live, not yet read, so the
+    answer is a retryable 503 (``unavailable``, with ``Retry-After``), never a 404."""
+    return ApiError(
+        refusal_status(Unavailable.code, fleet_has_workers=True),
+        Unavailable.code,
+        f"model '{asked}' is not listed yet: the router is reading the worker registry again "
+        "after a reconnect to NATS; retry shortly",
+    )
 
 
 # -- Ollama's listings --------------------------------------------------------------------------
@@ -256,11 +273,20 @@ def openai_models(workers: Sequence[WorkerView]) -> bytes:
     return encoder.encode({"object": "list", "data": data})
 
 
-def openai_model(asked: str, workers: Sequence[WorkerView], aliases: Mapping[str, str]) -> bytes:
-    """``GET /v1/models/{id}``: the model as asked, or OpenAI's 404 (``model_not_found``)."""
+def openai_model(
+    asked: str,
+    workers: Sequence[WorkerView],
+    aliases: Mapping[str, str],
+    *,
+    settling: bool = False,
+) -> bytes:
+    """``GET /v1/models/{id}``: the model as asked, or OpenAI's 404 (``model_not_found``);
+    503 while the router's view is ``settling`` (`settling_refusal`)."""
     served = served_models(workers)
     found = served.get(resolve(asked, served, aliases))
     if found is None:
+        if settling:
+            raise settling_refusal(asked)
         raise ApiError(404, "model_not_found", f"model '{asked}' not found")
     return encoder.encode(_openai_model(asked, found))
 

@@ -140,7 +140,7 @@ class Gateway:
         shape = OpenAIShape(model=asked, chat=True)
         try:
             known = await self.bus.fleet()
-            body = fleet.openai_model(asked, known.workers, known.aliases)
+            body = fleet.openai_model(asked, known.workers, known.aliases, settling=known.settling)
         except ApiError as exc:
             return self._refused(request, shape, exc, asked)
         return web.Response(body=body, content_type=JSON)
@@ -268,7 +268,9 @@ class Gateway:
         """The model ``model`` names and the live workers serving it: a bare name is its
         ``:latest``, an alias followed, as the router resolves them."""
         known = await self.bus.fleet()
-        return fleet.serving(model, known.workers, known.aliases, pull=pull)
+        return fleet.serving(
+            model, known.workers, known.aliases, pull=pull, settling=known.settling
+        )
 
     async def _read(self, request: web.Request) -> bytes:
         """The body, within the size limit and ``GATEWAY_BODY_TIMEOUT_S`` (else 408: a body

@@ -10,6 +10,11 @@
   is routed again as attempt N+1. When there is none it fails with ``no alternative worker
   can serve model '<m>' (reason=<reason>); single point of failure``.
 
+While the registry is being read again after a reconnect to NATS (``settling``,
+`services.fleet.settling`), a failure for want of a live worker (no alternative worker, a
+named worker not live) is not made: the decision is to `Wait`, and the next look decides
+again. A move to a worker that is live needs no wait.
+
 Which attempt a failure belongs to: the attempt that could not run (N), except after a
 retryable failure, whose attempt N already has its outcome; the reaper's verdict is then
 attempt N+1, the one it found no worker for. Either way a later, stale outcome cannot win.
@@ -49,6 +54,16 @@ class Move:
 
 
 @dataclass(frozen=True, slots=True)
+class Wait:
+    """Decide again at a later look: the view is settling, and the verdict would be that no
+    live worker can take the task."""
+
+    task_id: str
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Fail:
     """End the task as failed."""
 
@@ -77,8 +92,10 @@ def decide(
     max_attempts: int,
     gpu_models: Collection[str] = (),
     depth: Mapping[str, int] | None = None,
-) -> Move | Fail:
-    """Move ``task`` to another live worker, or fail it; ``workers`` is the whole registry."""
+    settling: bool = False,
+) -> Move | Fail | Wait:
+    """Move ``task`` to another live worker, or fail it; ``workers`` is the whole registry.
+    While ``settling``, `Wait` instead of failing it for want of a live worker."""
     moved_on = task.status == "retry"
     fail_attempt = task.attempt + 1 if moved_on else max(task.attempt, 1)
 
@@ -99,6 +116,8 @@ def decide(
         try:
             decision = choose(task.model, alive, designated=task.designated, needs=needs)
         except (NoWorker, UnsupportedCapability) as exc:
+            if settling:
+                return Wait(task.task_id, task.attempt, f"{exc.message} (view settling)")
             return fail(WorkerUnavailable.code, f"{exc.message} (reason={finding.reason})")
         return Move(task.task_id, 1, decision, f"routed by the reaper ({finding.detail})")
     if task.designated is not None:
@@ -122,7 +141,9 @@ def decide(
     others = [w for w in alive if w.worker_id != finding.worker]
     try:
         decision = choose(task.model, others, gpu_models=gpu_models, depth=depth, needs=needs)
-    except (NoWorker, UnsupportedCapability):
+    except (NoWorker, UnsupportedCapability) as exc:
+        if settling:
+            return Wait(task.task_id, task.attempt, f"{exc.message} (view settling)")
         return fail(NoAlternativeWorker.code, single_point_of_failure(task.model, finding.reason))
     return Move(
         task.task_id,

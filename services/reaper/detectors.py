@@ -65,9 +65,11 @@ class Snapshot:
     asleep: Collection[str] = ()
     consumers: Mapping[str, ConsumerHistory] = field(default_factory=dict)
     instances: Mapping[str, Mapping[str, Instance]] = field(default_factory=dict)
-    judging_since: float = 0.0
-    """Since when the view has been whole (start, or the last reconnect to NATS). Heartbeats
-    cannot arrive while the bus is away, so liveness is judged only a full TTL after it."""
+    settling: bool = False
+    """The registry is being read (again, after a reconnect to NATS) and has not settled
+    (`services.fleet.settling`): heartbeats from before the outage would make live workers
+    look dead, so no verdict that a worker is not live is made (no dead worker, no ghost
+    queue)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +142,7 @@ def dead_worker(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFinding 
         or holder is None
         or holder in POOLS
         or holder in snap.asleep
-        or snap.now - snap.judging_since < th.dead_after_s
+        or snap.settling
     ):
         return None
     record = snap.workers.get(holder)
@@ -205,8 +207,8 @@ def ghost_pending(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFindin
     if task.status == "unrouted":
         detail = f"submitted {waited_s:.0f} s ago and never routed (its router stopped midway?)"
         return TaskFinding(task.task_id, task.attempt, GHOST_PENDING, None, detail)
-    if task.status != "queued" or task.queue is None or task.worker is None:
-        return None
+    if task.status != "queued" or task.queue is None or task.worker is None or snap.settling:
+        return None  # while settling, "nobody pulls it" may be a worker not yet heard again
     history = snap.consumers.get(queue_consumer(task.queue))
     if history is None:
         return None  # not looked at yet

@@ -4,6 +4,11 @@ A KV watch of ``workers`` and ``asleep``, and an ordered consumer on ``EVENTS`` 
 ``REAPER_LOOKBACK_S`` back, so a restarted reaper (``kill -9`` included) rebuilds what is under
 way from the log before it judges anything. Each look also samples the consumer info of the
 queues that hold open tasks and of every live worker's own consumer.
+
+The registry's settling (`services.fleet.settling`) is kept here too: from a start until the
+workers that hold open tasks have been heard from (at most ``WORKER_TTL_S``), and from a
+reconnect until the bucket has been read again and the workers live before the outage have
+heartbeated again (at most ``WORKER_TTL_S``), no worker is judged not live.
 """
 
 from __future__ import annotations
@@ -36,12 +41,15 @@ from schemas.subjects import (
     EVENTS_STREAM,
     EVENTS_SUBJECTS,
     TASKS_STREAM,
+    WEB_POOL,
     queue_consumer,
     task_event_source,
     worker_consumer,
 )
 from schemas.workers import worker_record_decoder
-from services.fleet.liveness import live
+from services.fleet.liveness import is_live, live
+from services.fleet.policy import SHARED_WORKER
+from services.fleet.settling import SettlingTracker
 from services.reaper.view import ConsumerSample, ReaperView
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import ReaperSettings
@@ -67,12 +75,21 @@ class Feeds:
         self.settings = settings
         self._last_seq = 0
         self._events_sub: JetStreamContext.PushSubscription | None = None
+        self.settling = SettlingTracker(reconnects(nc), time.time())
 
     async def start(self, workers: KeyValue, asleep: KeyValue, tasks: TaskSet) -> None:
         """Follow both buckets and the event log (in ``tasks``); return once they are read."""
         ready = [asyncio.Event(), asyncio.Event()]
         tasks.spawn(
-            follow_bucket(self.nc, workers, self._on_worker, ready[0]), name="watch-workers"
+            follow_bucket(
+                self.nc,
+                workers,
+                self._on_worker,
+                ready[0],
+                on_watch=lambda generation: self.notice_reconnect(time.time(), generation),
+                on_read=self.settling.read,
+            ),
+            name="watch-workers",
         )
         tasks.spawn(follow_bucket(self.nc, asleep, self._on_asleep, ready[1]), name="watch-asleep")
         since = datetime.datetime.fromtimestamp(
@@ -84,6 +101,39 @@ class Feeds:
         tasks.spawn(self._refollow_events(), name="refollow-events")
         await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), timeout=10)
         await self._catch_up()
+        self.settling.wait_for(time.time(), self._holders_not_live(time.time()))
+
+    def _holders_not_live(self, now: float) -> dict[str, float]:
+        """The workers the event log says hold open tasks that the registry does not show
+        live, each with the heartbeat it shows (-inf: none): a start waits for them."""
+        awaited: dict[str, float] = {}
+        for task in self.view.tasks.values():
+            holder = task.holder
+            if not task.open or holder is None or holder in (SHARED_WORKER, WEB_POOL):
+                continue
+            record = self.view.workers.get(holder)
+            if record is None:
+                awaited[holder] = float("-inf")
+            elif not is_live(record, now, self.settings.worker_ttl_s):
+                awaited[holder] = record.heartbeat_at
+        return awaited
+
+    def notice_reconnect(self, now: float, generation: int | None = None) -> None:
+        """A new connection to NATS makes the registry settle again, waiting for the workers
+        that were live when the bus went quiet."""
+        current = reconnects(self.nc) if generation is None else generation
+        ttl_s = self.settings.worker_ttl_s
+        if self.settling.reconnected(current, now, self.view.workers.values(), ttl_s):
+            log.info(
+                "reading the registry again after a reconnect",
+                awaited=sorted(self.settling.state.awaited),
+                within_s=ttl_s,
+            )
+
+    def settled(self, now: float) -> bool:
+        """May a worker be judged not live at ``now`` (`services.fleet.settling`)?"""
+        self.notice_reconnect(now)
+        return self.settling.settled(now, self.settings.worker_ttl_s)
 
     async def stop(self) -> None:
         """Stop following the event log (the bucket watches end with their tasks)."""
@@ -147,8 +197,11 @@ class Feeds:
     def _on_worker(self, entry: KeyValue.Entry) -> None:
         if entry.operation in ("DEL", "PURGE") or not entry.value:
             self.view.remove_worker(entry.key)
+            self.settling.remove(entry.key)
         else:
-            self.view.put_worker(worker_record_decoder.decode(entry.value))
+            record = worker_record_decoder.decode(entry.value)
+            self.view.put_worker(record)
+            self.settling.put(record)
 
     def _on_asleep(self, entry: KeyValue.Entry) -> None:
         if entry.operation in ("DEL", "PURGE") or not entry.value:

@@ -17,7 +17,7 @@ from nats.js import JetStreamContext
 from schemas.events import TaskCompleted, TaskFailed
 from services.fleet.binding import refusal
 from services.reaper.actions import Actions, QueueIndex, copies_up_to, queue_index
-from services.reaper.decisions import Fail, Move, decide
+from services.reaper.decisions import Fail, Move, Wait, decide
 from services.reaper.detectors import DuplicateFinding, TaskFinding
 from services.reaper.view import ReaperView, TaskTrack, routing
 from services.runtime.errors import SubmissionLost
@@ -72,9 +72,12 @@ class FindingHandler:
         self._reported[finding.worker_id] = now
         self.duplicates += 1
 
-    async def act(self, findings: Iterable[TaskFinding], now: float) -> None:
+    async def act(
+        self, findings: Iterable[TaskFinding], now: float, *, settling: bool = False
+    ) -> None:
         """Decide for every finding (routing one after the other, so moved tasks spread out),
-        then carry the decisions out a few at a time."""
+        then carry the decisions out a few at a time. While ``settling`` (the registry is
+        being read again), a task no live worker could take is left for a later look."""
         depth = self.view.depth()
         plans: list[tuple[TaskFinding, TaskTrack, Move | Fail]] = []
         for finding in findings:
@@ -91,7 +94,17 @@ class FindingHandler:
                 max_attempts=self.settings.max_attempts,
                 gpu_models=self.settings.gpu_models,
                 depth=depth,
+                settling=settling,
             )
+            if isinstance(plan, Wait):
+                log.info(
+                    "verdict deferred: the registry is being read again",
+                    task_id=plan.task_id,
+                    attempt=plan.attempt,
+                    reason=finding.reason,
+                    detail=plan.reason,
+                )
+                continue
             if isinstance(plan, Move):
                 depth[plan.decision.worker_id] = depth.get(plan.decision.worker_id, 0) + 1
             self._acted[key] = now

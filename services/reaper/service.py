@@ -4,9 +4,10 @@ Its parts: ``feeds`` (the registry, the sleepers, the event log and consumer sam
 into the view), ``detectors`` and ``decisions`` (pure: what is wrong, what to do about it),
 ``handling`` (carrying the decisions out, once per finding) and ``actions`` (the writes).
 
-While the bus is away no heartbeat can arrive, so after a (re)connect liveness is judged only
-once a full ``WORKER_TTL_S`` has passed: a nats-server restart does not make every worker look
-dead.
+While the bus is away no heartbeat can arrive, so after a (re)connect no worker is judged not
+live until the registry has settled (`services.fleet.settling`: read again, and the workers
+live before heard from again, or a full ``WORKER_TTL_S`` passed): a nats-server restart does
+not make every worker look dead.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from services.runtime.bus import connect, ensure_bucket, ensure_streams
 from services.runtime.endpoints import add_endpoint
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import ReaperSettings
-from services.runtime.watch import reconnects
 
 log = structlog.get_logger("reaper")
 
@@ -57,8 +57,6 @@ class Reaper:
         self.feeds = Feeds(nc, self.js, self.view, settings)
         self.handler = FindingHandler(self.js, self.view, settings)
         self.tasks = TaskSet()
-        self.judging_since = time.time()
-        self._reconnects = reconnects(nc)
         self._service: Service | None = None
 
     async def start(self) -> None:
@@ -66,7 +64,6 @@ class Reaper:
         workers = await ensure_streams(self.js, worker_ttl_s=self.settings.worker_ttl_s)
         asleep = await ensure_bucket(self.js, ASLEEP_BUCKET, ttl_s=None)
         await self.feeds.start(workers, asleep, self.tasks)
-        self.judging_since = time.time()
         # Answers PING (the router waits for retryable failures to move on only while it does)
         # and a status request, for people and `coordinator health`.
         self._service = await add_service(
@@ -115,19 +112,17 @@ class Reaper:
                 "moved": self.handler.moved,
                 "failed": self.handler.failed,
                 "duplicates": self.handler.duplicates,
-                "judging_since": self.judging_since,
+                "settling": not self.feeds.settled(time.time()),
+                "settling_since": self.feeds.settling.state.since,
             }
         )
 
     async def look(self) -> None:
         """One round: sample the queues, detect, act."""
         now = time.time()
-        count = reconnects(self.nc)
-        if count != self._reconnects or not self.nc.is_connected:
-            self._reconnects = count
-            self.judging_since = now
-            if not self.nc.is_connected:
-                return
+        if not self.nc.is_connected:
+            return
+        settling = not self.feeds.settled(now)
         self.view.prune(now)
         self.handler.forget_old(now)
         await self.feeds.sample(now)
@@ -138,12 +133,12 @@ class Reaper:
             asleep=self.view.asleep,
             consumers=self.view.consumers,
             instances=self.view.instances,
-            judging_since=self.judging_since,
+            settling=settling,
         )
         findings = detect(snapshot, self.thresholds)
         for duplicate in findings.duplicates:
             await self.handler.report(duplicate, now)
-        await self.handler.act(findings.tasks, now)
+        await self.handler.act(findings.tasks, now, settling=settling)
 
 
 async def run(settings: ReaperSettings, stop: asyncio.Event) -> None:

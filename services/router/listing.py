@@ -38,6 +38,7 @@ def workers_reply(
     *,
     now: float,
     ttl_s: float,
+    settling: bool = False,
 ) -> WorkersReply:
     """The live workers by id, each with its queue depth and problems, and every alias with
     the name it stands for."""
@@ -61,4 +62,8 @@ def workers_reply(
         )
         for r in sorted(liveness.live(view.workers.values(), now, ttl_s), key=lambda r: r.worker_id)
     ]
-    return WorkersReply(workers=workers, aliases={alias: canonical(alias) for alias in aliases})
+    return WorkersReply(
+        workers=workers,
+        aliases={alias: canonical(alias) for alias in aliases},
+        settling=settling,
+    )

@@ -10,10 +10,10 @@ at once, or with the task's outcome for a client that waits (`services.router.en
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass
 
 import msgspec
 import structlog
@@ -21,7 +21,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.service import Service
 
@@ -49,25 +48,26 @@ from schemas.subjects import (
     task_event_source,
 )
 from schemas.tasks import is_retryable
-from schemas.workers import worker_record_decoder
 from services import __version__
 from services.fleet import liveness
 from services.fleet.binding import refusal
 from services.router.decide import Plan, Submission, decide, submission
 from services.router.ending import wait_for_end
+from services.router.feeds import apply_figure, apply_sleeper
 from services.router.listing import Problems, workers_reply
 from services.router.reaper_watch import ReaperWatch
 from services.router.records import outcome_reply, queued_reply
+from services.router.registry import RegistryFeed
 from services.router.relay import ChunkRelay
 from services.router.requests import Admitted, admit, new_task_id, parse_cancel_request
 from services.router.submit import submit
-from services.router.view import Figure, FleetView
-from services.router.waiting import Waiter
+from services.router.view import FleetView
+from services.router.waiting import Tracking, Waiter
 from services.router.waking import Waker
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import connect, ensure_bucket, ensure_streams
 from services.runtime.endpoints import add_endpoint, reply_subject
-from services.runtime.errors import BadRequest, NotFound
+from services.runtime.errors import BadRequest, NotFound, NoWorker, UnsupportedCapability
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import RouterSettings
 from services.runtime.watch import follow_bucket
@@ -77,35 +77,11 @@ log = structlog.get_logger("router")
 _duplicate_decoder = msgspec.json.Decoder(WorkerDuplicate)
 
 
-class _FigureView(msgspec.Struct, frozen=True):
-    """The fields of a ``stats`` bucket value that routing uses."""
-
-    model: str
-    domain: str
-    worker: str
-    recent_failure_rate: float = 0.0
-    typical_ms: float | None = None
-
-
-_figure_decoder = msgspec.json.Decoder(_FigureView)
-
 # In-flight tasks whose end was missed are forgotten at most this often (see FleetView.expire).
 EXPIRE_INTERVAL_S = 1.0
 
 # Extra time a waiting request allows beyond the task's own timeout: queueing and event delivery.
 WAIT_MARGIN_S = 30.0
-
-
-@dataclass(slots=True)
-class _Tracking:
-    """What follows one submitted task while its route request is handled."""
-
-    started: Subscription | None = None
-    """A woken worker's ``started`` subject, until the wake watches it."""
-    waiter: Waiter | None = None
-    """The task's end, for a client that waits."""
-    waiting_on: str = ""
-    """The reply subject the client waits on, by which it may cancel the task."""
 
 
 class Router:
@@ -116,6 +92,9 @@ class Router:
         self.js: JetStreamContext = nc.jetstream()
         self.settings = settings
         self.view = FleetView()
+        # Until the registry has been read (again, after a reconnect), no request is refused
+        # for want of a live worker (`services.fleet.settling`).
+        self.registry = RegistryFeed(nc, self.view, settings.worker_ttl_s)
         self.aliases = AliasFollower(self.js)
         self.tasks = TaskSet()
         self.waker = Waker(self.js, settings, self.tasks)
@@ -153,9 +132,25 @@ class Router:
         )
         self._chunk_sub = await self.nc.subscribe(CHUNKS, cb=self.relay.on_chunk)
         ready = [asyncio.Event(), asyncio.Event(), asyncio.Event()]
-        self.tasks.spawn(self._watch(workers, self._on_worker, ready[0]), name="watch-workers")
-        self.tasks.spawn(self._watch(figures, self._on_figure, ready[1]), name="watch-stats")
-        self.tasks.spawn(self._watch(sleepers, self._on_sleeper, ready[2]), name="watch-asleep")
+        self.tasks.spawn(
+            follow_bucket(
+                self.nc,
+                workers,
+                self.registry.on_entry,
+                ready[0],
+                on_watch=self.registry.on_watch,
+                on_read=self.registry.on_read,
+            ),
+            name="watch-workers",
+        )
+        # Each bucket is watched again after a reconnect (a restarted server lost the watch).
+        for kv, apply, name, done in (
+            (figures, apply_figure, "watch-stats", ready[1]),
+            (sleepers, apply_sleeper, "watch-asleep", ready[2]),
+        ):
+            self.tasks.spawn(
+                follow_bucket(self.nc, kv, functools.partial(apply, self.view), done), name=name
+            )
         self.tasks.spawn(self.reaper.watch(), name="ping-reaper")
         await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), timeout=10)
         self._service = await add_service(
@@ -180,32 +175,6 @@ class Router:
         await self.tasks.wait(timeout_s=1.0)
 
     # -- feeds ---------------------------------------------------------------------------------
-
-    async def _watch(
-        self, kv: KeyValue, on_entry: Callable[[KeyValue.Entry], None], ready: asyncio.Event
-    ) -> None:
-        """Feed every value of ``kv`` (current ones first, then changes) to ``on_entry``;
-        watched again after a reconnect (a restarted server has lost the watch)."""
-        await follow_bucket(self.nc, kv, on_entry, ready)
-
-    def _on_worker(self, entry: KeyValue.Entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
-            self.view.remove_worker(entry.key)
-        else:
-            self.view.put_worker(worker_record_decoder.decode(entry.value))
-
-    def _on_sleeper(self, entry: KeyValue.Entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
-            self.view.remove_sleeper(entry.key)
-        else:
-            self.view.put_sleeper(worker_record_decoder.decode(entry.value))
-
-    def _on_figure(self, entry: KeyValue.Entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
-            return
-        value = _figure_decoder.decode(entry.value)
-        figure = Figure(typical_ms=value.typical_ms, recent_failure_rate=value.recent_failure_rate)
-        self.view.put_figure(value.model, value.domain, value.worker, figure)
 
     async def _on_task_event(self, msg: Msg) -> None:
         try:
@@ -261,13 +230,15 @@ class Router:
     # -- endpoints -----------------------------------------------------------------------------
 
     async def handle_workers(self, body: bytes) -> bytes:
+        now = time.time()
         reply = workers_reply(
             self.view,
             self.problems,
             self.aliases.aliases,
             self.aliases.canonical,
-            now=time.time(),
+            now=now,
             ttl_s=self.settings.worker_ttl_s,
+            settling=not self.registry.settled(now),
         )
         return encoder.encode(reply)
 
@@ -300,13 +271,23 @@ class Router:
             self._next_expiry = now + EXPIRE_INTERVAL_S
             self.view.expire(now, max_age_s=self.settings.default_timeout_s + WAIT_MARGIN_S)
         live = liveness.live(self.view.workers.values(), now, self.settings.worker_ttl_s)
-        return decide(
-            request,
-            live,
-            self.view.sleepers.values(),
-            self.view,
-            gpu_models=self.settings.gpu_models,
-        )
+        try:
+            plan = decide(
+                request,
+                live,
+                self.view.sleepers.values(),
+                self.view,
+                gpu_models=self.settings.gpu_models,
+            )
+        except (NoWorker, UnsupportedCapability) as exc:
+            # A refusal for want of a live worker, judged on a view still being re-read, may
+            # be wrong: the client is told to retry instead, and nothing is stored.
+            self.registry.refuse_while_settling(now, f"a live worker can take it ({exc.message})")
+            raise
+        if plan.waking is not None:
+            # Nor is a machine woken because its live peers have not been heard from yet.
+            self.registry.refuse_while_settling(now, f"a live worker serves {request.model}")
+        return plan
 
     def _new_task(self, admitted: Admitted, plan: Plan, now: float) -> Submission:
         return submission(
@@ -320,11 +301,11 @@ class Router:
         )
 
     @asynccontextmanager
-    async def _tracking(self, task: Submission) -> AsyncIterator[_Tracking]:
+    async def _tracking(self, task: Submission) -> AsyncIterator[Tracking]:
         """Follow the task while its request is handled: a woken worker's start is watched
         from before the task is queued, and a waiting client's end is registered before
         anything is published, so neither can be missed. Dropped when the request is done."""
-        tracking = _Tracking()
+        tracking = Tracking()
         if task.plan.waking is not None:
             tracking.started = await self.nc.subscribe(
                 task_event(task.task_id, "started", task.plan.waking.worker_id), max_msgs=1
@@ -354,7 +335,7 @@ class Router:
             self._waiting_on.pop(tracking.waiting_on, None)
             self.relay.close(task.task_id)
 
-    async def _submit(self, task: Submission, tracking: _Tracking) -> int:
+    async def _submit(self, task: Submission, tracking: Tracking) -> int:
         """Queue the task (a stream first learns its id) and wake the sleeping worker it goes
         to; returns its message's sequence in ``TASKS``."""
         if task.stream_subject:

@@ -1,12 +1,22 @@
 """Recording and queueing a task: its ``submitted`` and ``routed`` events, then its message on
-the worker's queue; a task recorded but not queued is recorded as failed."""
+the worker's queue; a task recorded but not queued is recorded as failed.
+
+Each write rides out a short bus outage (a nats-server restart): one the connection lost, or
+the server not ready yet, is sent again for up to `OUTAGE_RETRY_S`. That is safe because each
+carries its ``Nats-Msg-Id``, so a write stored before the outage is not stored twice; and it
+keeps a task caught by a restart from failing (``unavailable``) when it could be queued a
+moment later."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from typing import Any, Final
 
+import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
@@ -18,6 +28,32 @@ from services.runtime.bus import publish_event
 from services.runtime.errors import Unavailable
 from services.runtime.tracing import inject_context
 
+# How long a write caught by a bus outage is tried again, and how often.
+OUTAGE_RETRY_S: Final = 10.0
+OUTAGE_RETRY_EVERY_S: Final = 0.25
+# What a write gets while the connection is lost or the server is starting (JetStream not
+# ready, the stream not recovered yet, an acknowledgement that never came).
+_OUTAGE_ERRORS: Final = (
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoRespondersError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+)
+
+
+async def through_outage(write: Callable[[], Awaitable[Any]]) -> Any:
+    """``write()``, sent again while it fails for a bus outage, for up to `OUTAGE_RETRY_S`."""
+    deadline = time.monotonic() + OUTAGE_RETRY_S
+    while True:
+        try:
+            return await write()
+        except _OUTAGE_ERRORS:
+            if time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(OUTAGE_RETRY_EVERY_S)
+
 
 async def submit(js: JetStreamContext, task: Submission) -> int:
     """Record and queue the task; returns its message's sequence in ``TASKS``."""
@@ -27,26 +63,31 @@ async def submit(js: JetStreamContext, task: Submission) -> int:
     # is queued only once both are stored.
     submitted: object
     routed: PubAck | BaseException
+    routed_at = time.time()
     submitted, routed = await asyncio.gather(
-        publish_event(js, submitted_event(task), msg_id=f"{task_id}:submitted"),
-        publish_event(js, routed_event(task, time.time()), msg_id=f"{task_id}:routed:1"),
+        through_outage(
+            lambda: publish_event(js, submitted_event(task), msg_id=f"{task_id}:submitted")
+        ),
+        through_outage(
+            lambda: publish_event(js, routed_event(task, routed_at), msg_id=f"{task_id}:routed:1")
+        ),
         return_exceptions=True,
     )
     if isinstance(submitted, BaseException):
         if not isinstance(routed, BaseException):
             # A routed task must end: the reaper would otherwise look for it.
-            await fail_unqueued(js, task_id, decision, "its submission was not stored")
+            await fail_unqueued(
+                js, task_id, decision, f"its submission was not stored ({submitted!r})"
+            )
         reason = submitted or type(submitted).__name__
         raise Unavailable(f"could not record the task: {reason}") from submitted
     try:
         if isinstance(routed, BaseException):
             raise routed
-        ack = await js.publish(
-            decision.queue,
-            encoder.encode(task_message(task, int(routed.seq))),
-            # The worker continues this request's trace (traceparent).
-            headers=inject_context({"Nats-Msg-Id": f"{task_id}:1"}),
-        )
+        message = encoder.encode(task_message(task, int(routed.seq)))
+        # The worker continues this request's trace (traceparent).
+        headers = inject_context({"Nats-Msg-Id": f"{task_id}:1"})
+        ack = await through_outage(lambda: js.publish(decision.queue, message, headers=headers))
     except Exception as exc:
         reason = f"could not queue the task on {decision.queue}: {exc or type(exc).__name__}"
         await fail_unqueued(js, task_id, decision, reason)

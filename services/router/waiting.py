@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from nats.aio.subscription import Subscription
 
 from schemas.events import TaskCompleted, TaskFailed
 from services.fleet.binding import Supports, refusal
@@ -112,3 +115,15 @@ class Waiter:
     def close(self) -> None:
         """The client is gone (answered or timed out): drop any pending timer."""
         self._forget_pending()
+
+
+@dataclass(slots=True)
+class Tracking:
+    """What follows one submitted task while its route request is handled."""
+
+    started: Subscription | None = None
+    """A woken worker's ``started`` subject, until the wake watches it."""
+    waiter: Waiter | None = None
+    """The task's end, for a client that waits."""
+    waiting_on: str = ""
+    """The reply subject the client waits on, by which it may cancel the task."""

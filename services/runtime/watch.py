@@ -31,15 +31,27 @@ def reconnects(nc: Client) -> int:
 
 
 async def follow_bucket(
-    nc: Client, kv: KeyValue, on_entry: Callable[[KeyValue.Entry], None], ready: asyncio.Event
+    nc: Client,
+    kv: KeyValue,
+    on_entry: Callable[[KeyValue.Entry], None],
+    ready: asyncio.Event,
+    *,
+    on_watch: Callable[[int], None] | None = None,
+    on_read: Callable[[int], None] | None = None,
 ) -> None:
     """Feed every value of ``kv`` (current ones first, then changes) to ``on_entry``, for ever.
 
     ``ready`` is set once the current values have been fed. A value ``on_entry`` cannot decode
     is logged and skipped. Run it as a task; cancel it to stop.
+
+    ``on_watch(generation)`` is called as each watch starts, before any of its values, and
+    ``on_read(generation)`` once it has fed the current values, with the connection's
+    `reconnects` count they belong to (`services.fleet.settling` keeps a view's settling so).
     """
     while True:
         seen = reconnects(nc)
+        if on_watch is not None:
+            on_watch(seen)
         try:
             watcher = await kv.watchall()
         except Exception as exc:  # the server is not back yet
@@ -54,6 +66,8 @@ async def follow_bucket(
                     continue
                 if entry is None:
                     ready.set()
+                    if on_read is not None:
+                        on_read(seen)
                     continue
                 try:
                     on_entry(entry)

@@ -217,7 +217,6 @@ def snap(tasks: list[TaskTrack], workers: list[WorkerRecord]) -> Snapshot:
         now=NOW,
         tasks={t.task_id: t for t in tasks},
         workers={w.worker_id: w for w in workers},
-        judging_since=NOW - 60,
     )
 
 

@@ -189,3 +189,16 @@ def test_one_openai_model_by_id() -> None:
     with pytest.raises(ApiError) as missing:
         fleet.openai_model("nope", workers, {})
     assert (missing.value.status, missing.value.code) == (404, "model_not_found")
+
+
+def test_a_model_missing_while_the_routers_view_settles_is_a_retryable_503_not_a_404() -> None:
+    workers = [worker("a", ["m1:latest"])]
+    assert fleet.serving("m1", workers, settling=True).worker_ids == ["a"]
+    for missing in ([], workers):
+        with pytest.raises(ApiError) as settling:
+            fleet.serving("m2", missing, settling=True)
+        assert (settling.value.status, settling.value.code) == (503, "unavailable")
+        assert "reading the worker registry again" in settling.value.message
+    with pytest.raises(ApiError) as by_id:
+        fleet.openai_model("m2", workers, {}, settling=True)
+    assert (by_id.value.status, by_id.value.code) == (503, "unavailable")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas.workers import WorkerRecord
-from services.reaper.decisions import Fail, Move, decide
+from services.reaper.decisions import Fail, Move, Wait, decide
 from services.reaper.detectors import TaskFinding
 from services.reaper.view import TaskTrack
 
@@ -50,7 +50,7 @@ DEAD = TaskFinding("t-1", 1, "dead_worker", "a", "worker 'a' last heartbeat 9.0 
 
 def decide_for(
     finding: TaskFinding, track: TaskTrack, workers: list[WorkerRecord], **options: Any
-) -> Move | Fail:
+) -> Move | Fail | Wait:
     settings: dict[str, Any] = {"now": NOW, "ttl_s": 3.0, "max_attempts": 5, **options}
     return decide(finding, track, workers, **settings)
 
@@ -146,3 +146,20 @@ def test_a_task_for_a_named_worker_never_routed_is_routed_there_or_fails_naming_
     assert isinstance(gone, Fail)
     assert gone.code == "worker_unavailable"
     assert gone.reason.startswith("worker 'b' is not live")
+
+
+def test_while_the_registry_settles_no_task_is_failed_for_want_of_a_live_worker() -> None:
+    # Heartbeats from before an outage: the other worker may be live, not yet heard again.
+    stale = worker("b", heartbeat_at=NOW - 10)
+    plan = decide_for(DEAD, task(), [stale], settling=True)
+    assert isinstance(plan, Wait)
+    assert (plan.task_id, plan.attempt) == ("t-1", 1)
+    finding = TaskFinding("t-1", 0, "ghost_pending", None, "never routed")
+    unrouted = task(attempt=0, status="unrouted", worker=None, designated="b")
+    assert isinstance(decide_for(finding, unrouted, [stale], settling=True), Wait)
+
+
+def test_while_the_registry_settles_a_move_to_a_live_worker_is_still_made() -> None:
+    plan = decide_for(DEAD, task(), [worker("b")], settling=True)
+    assert isinstance(plan, Move)
+    assert plan.decision.worker_id == "b"

@@ -1,0 +1,77 @@
+"""The router's feed of the ``workers`` bucket, and whether its view of it has settled.
+
+The KV watch (`services.runtime.watch.follow_bucket`) feeds `RegistryFeed.on_entry`; a new
+connection to NATS (noticed by the watch as it starts again, or by a request that comes first)
+makes the view settle again (`services.fleet.settling`). Until it has, a request no live worker
+could take is answered `Unavailable` (retryable, with a hint of when to retry) instead of
+``no_worker``: the worker may well be live, its fresh heartbeat not read yet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+from nats.aio.client import Client
+from nats.js.kv import KeyValue
+
+from schemas.workers import worker_record_decoder
+from services.fleet.settling import SettlingTracker
+from services.router.view import FleetView
+from services.runtime.errors import Unavailable
+from services.runtime.watch import reconnects
+
+log = structlog.get_logger("router")
+
+
+class RegistryFeed:
+    """Keeps ``view``'s workers from the bucket's entries, and the view's settling."""
+
+    def __init__(self, nc: Client, view: FleetView, ttl_s: float) -> None:
+        self.nc = nc
+        self.view = view
+        self.ttl_s = ttl_s
+        # A fresh start awaits nobody: the first full read of the bucket is the registry.
+        self.settling = SettlingTracker(reconnects(nc), time.time())
+
+    def on_entry(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.view.remove_worker(entry.key)
+            self.settling.remove(entry.key)
+        else:
+            record = worker_record_decoder.decode(entry.value)
+            self.view.put_worker(record)
+            self.settling.put(record)
+
+    def on_watch(self, generation: int) -> None:
+        """A watch starts on connection ``generation``: after a reconnect, settle again."""
+        self.notice_reconnect(time.time(), generation)
+
+    def on_read(self, generation: int) -> None:
+        self.settling.read(generation)
+
+    def notice_reconnect(self, now: float, generation: int | None = None) -> None:
+        """A new connection to NATS makes the view settle again, waiting for the workers
+        that were live when the bus went quiet."""
+        current = reconnects(self.nc) if generation is None else generation
+        if self.settling.reconnected(current, now, self.view.workers.values(), self.ttl_s):
+            log.info(
+                "reading the registry again after a reconnect",
+                awaited=sorted(self.settling.state.awaited),
+                within_s=self.ttl_s,
+            )
+
+    def settled(self, now: float) -> bool:
+        """May the router say, at ``now``, that no live worker can take a request?"""
+        self.notice_reconnect(now)
+        return self.settling.settled(now, self.ttl_s)
+
+    def refuse_while_settling(self, now: float, what: str) -> None:
+        """Raise `Unavailable` if the view has not settled: ``what`` cannot be told yet."""
+        if self.settled(now):
+            return
+        retry_s = self.settling.retry_after_s(now, self.ttl_s)
+        raise Unavailable(
+            f"the router is reading the worker registry again after a reconnect to NATS, so it "
+            f"cannot tell yet whether {what}; retry in {retry_s} s"
+        )
