@@ -36,7 +36,7 @@ from services.gateway.responses import refused
 from services.gateway.task_api import TaskShape
 from services.runtime.bus import ensure_bucket
 from services.runtime.errors import Unavailable
-from services.runtime.watch import follow_bucket
+from services.runtime.watch import follow_bucket, value_of
 
 log = structlog.get_logger("gateway")
 
@@ -94,12 +94,12 @@ class Access:
             self._watch = None
 
     def _on_entry(self, entry: KeyValue.Entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
+        if (value := value_of(entry)) is None:
             if self.table.remove(entry.key):
                 log.info("gateway key revoked", key_name=entry.key, keys=len(self.table))
             return
         # The bucket's key is the name: a value that says otherwise does not rename it.
-        record = msgspec.structs.replace(record_decoder.decode(entry.value), name=entry.key)
+        record = msgspec.structs.replace(record_decoder.decode(value), name=entry.key)
         self.table.put(record)
         log.info(
             "gateway key known",

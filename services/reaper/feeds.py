@@ -53,7 +53,7 @@ from services.fleet.settling import SettlingTracker
 from services.reaper.view import ConsumerSample, ReaperView
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import ReaperSettings
-from services.runtime.watch import RECONNECT_CHECK_S, follow_bucket, reconnects
+from services.runtime.watch import RECONNECT_CHECK_S, follow_bucket, reconnects, value_of
 
 log = structlog.get_logger("reaper")
 
@@ -195,16 +195,16 @@ class Feeds:
             log.info("following the event log again after a reconnect", from_seq=self._last_seq + 1)
 
     def _on_worker(self, entry: KeyValue.Entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
+        if (value := value_of(entry)) is None:
             self.view.remove_worker(entry.key)
             self.settling.remove(entry.key)
         else:
-            record = worker_record_decoder.decode(entry.value)
+            record = worker_record_decoder.decode(value)
             self.view.put_worker(record)
             self.settling.put(record)
 
     def _on_asleep(self, entry: KeyValue.Entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
+        if value_of(entry) is None:
             self.view.asleep.discard(entry.key)
         else:
             self.view.asleep.add(entry.key)

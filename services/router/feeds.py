@@ -9,6 +9,7 @@ from nats.js.kv import KeyValue
 
 from schemas.workers import worker_record_decoder
 from services.router.view import Figure, FleetView
+from services.runtime.watch import value_of
 
 
 class _FigureView(msgspec.Struct, frozen=True):
@@ -26,16 +27,16 @@ _figure_decoder = msgspec.json.Decoder(_FigureView)
 
 def apply_sleeper(view: FleetView, entry: KeyValue.Entry) -> None:
     """A sleeping worker's entry came (or went)."""
-    if entry.operation in ("DEL", "PURGE") or not entry.value:
+    if (value := value_of(entry)) is None:
         view.remove_sleeper(entry.key)
     else:
-        view.put_sleeper(worker_record_decoder.decode(entry.value))
+        view.put_sleeper(worker_record_decoder.decode(value))
 
 
 def apply_figure(view: FleetView, entry: KeyValue.Entry) -> None:
     """A figure was published; a deleted one leaves the last value in place."""
-    if entry.operation in ("DEL", "PURGE") or not entry.value:
+    if (data := value_of(entry)) is None:
         return
-    value = _figure_decoder.decode(entry.value)
+    value = _figure_decoder.decode(data)
     figure = Figure(typical_ms=value.typical_ms, recent_failure_rate=value.recent_failure_rate)
     view.put_figure(value.model, value.domain, value.worker, figure)

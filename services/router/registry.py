@@ -19,7 +19,7 @@ from schemas.workers import worker_record_decoder
 from services.fleet.settling import SettlingTracker
 from services.router.view import FleetView
 from services.runtime.errors import Unavailable
-from services.runtime.watch import reconnects
+from services.runtime.watch import reconnects, value_of
 
 log = structlog.get_logger("router")
 
@@ -35,11 +35,11 @@ class RegistryFeed:
         self.settling = SettlingTracker(reconnects(nc), time.time())
 
     def on_entry(self, entry: KeyValue.Entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
+        if (value := value_of(entry)) is None:
             self.view.remove_worker(entry.key)
             self.settling.remove(entry.key)
         else:
-            record = worker_record_decoder.decode(entry.value)
+            record = worker_record_decoder.decode(value)
             self.view.put_worker(record)
             self.settling.put(record)
 

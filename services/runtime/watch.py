@@ -25,6 +25,12 @@ log = structlog.get_logger("watch")
 RECONNECT_CHECK_S = 0.25
 
 
+def value_of(entry: KeyValue.Entry) -> bytes | None:
+    """A watched entry's value; None when it says its key is gone (deleted, purged, or
+    emptied)."""
+    return None if entry.operation in ("DEL", "PURGE") or not entry.value else entry.value
+
+
 def reconnects(nc: Client) -> int:
     """How many times this client has reconnected (it changes on every new connection)."""
     return int(nc.stats["reconnects"])
