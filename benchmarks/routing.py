@@ -4,12 +4,14 @@
 
 Times what the router does for each request between parsing it and publishing (the
 sequence of `services.router.service.Router.handle_route`): forget stale in-flight tasks,
-keep the live workers, list the candidates, count queue depths, look up each candidate's
-typical duration and failure rate in the fleet view, and `policy.choose`. The fleet is
+keep the live workers, and `services.router.decide.decide`: list the candidates, make each
+one's estimates from the fleet view (the work queued on it, its typical and warm durations,
+cold-load time and failure rate: `Figures.estimates`), and `policy.choose`. The fleet is
 synthetic and on the heavy side of real: every worker serves the requested model and two of
 nine others; one in four is a GPU worker; each has figures for its three models in three of
 the four domains (for half of them the request's domain is the one missing, which sends
-`FleetView.typical_ms` to its fallbacks) and one task in flight.
+the lookups to their fallbacks), says which two of its models are in memory, and has one
+task of another model in flight.
 
 Prints the median time per decision for each size, with the parts it is made of, and the
 largest number of workers whose decision stays within 1 ms (found by doubling, then
@@ -27,9 +29,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Final
 
-from schemas.workers import WorkerRecord
+from schemas.route import RouteRequest
+from schemas.workers import Capability, WorkerRecord
 from services.fleet import liveness, policy
-from services.router.view import Figure, FleetView
+from services.fleet.figures import Figure
+from services.router import decide as router_decide
+from services.router.view import FleetView
 
 TARGET_MS: Final = 1.0
 TARGET_WORKERS: Final = 200
@@ -43,53 +48,74 @@ MAX_AGE_S: Final = 330.0
 SAMPLE_S: Final = 0.3
 
 
+def worker_record(
+    worker_id: str,
+    models: list[str],
+    *,
+    gpu: bool,
+    heartbeat_at: float,
+    resident: list[str] | None = None,
+) -> WorkerRecord:
+    """A registered worker as a benchmark's synthetic fleet needs one."""
+    supports: list[Capability] = ["gpu_inference"] if gpu else ["cpu_inference"]
+    return WorkerRecord(
+        worker_id=worker_id,
+        host=f"host-{worker_id}",
+        instance_id=f"i-{worker_id}",
+        pid=1000,
+        version="0.1.0",
+        supports=supports,
+        models=models,
+        started_at=heartbeat_at - 3600,
+        heartbeat_at=heartbeat_at,
+        state="idle",
+        resident=resident,
+    )
+
+
 def fleet(size: int) -> FleetView:
     """A view of ``size`` live workers with figures and one task in flight each."""
     view = FleetView()
     for i in range(size):
         worker_id = f"worker-{i:05d}"
         models = [MODEL, OTHER_MODELS[i % 9], OTHER_MODELS[(i + 4) % 9]]
+        # Half of them hold the requested model in memory.
+        resident = models[:2] if i % 2 else models[1:]
         view.put_worker(
-            WorkerRecord(
-                worker_id=worker_id,
-                host=f"host-{i}",
-                instance_id=f"i-{i}",
-                pid=1000 + i,
-                version="0.1.0",
-                supports=["gpu_inference"] if i % 4 == 0 else ["cpu_inference"],
-                models=models,
-                started_at=NOW - 3600,
-                heartbeat_at=NOW - (i % 5),
-                state="idle",
+            worker_record(
+                worker_id, models, gpu=i % 4 == 0, heartbeat_at=NOW - (i % 5), resident=resident
             )
         )
         missing = DOMAIN if i % 2 else DOMAINS[i % 4 if i % 4 != 1 else 0]
         for model in models:
             for domain in DOMAINS:
                 if domain != missing:
-                    figure = Figure(typical_ms=500.0 + (i * 37) % 900, recent_failure_rate=0.01)
-                    view.put_figure(model, domain, worker_id, figure)
-        view.routed(f"task-{i}", worker_id, NOW - 10)
+                    typical = 500.0 + (i * 37) % 900
+                    figure = Figure(
+                        typical_ms=typical,
+                        recent_failure_rate=0.01,
+                        warm_ms=typical - 40.0,
+                        cold_load_ms=3_000.0 + (i * 53) % 4_000,
+                    )
+                    view.figures.put(model, domain, worker_id, figure)
+        view.routed(f"task-{i}", worker_id, NOW - 10, models[1], DOMAINS[i % 4])
     return view
+
+
+REQUEST: Final = RouteRequest(prompt="def fib(n):", model=MODEL, domain=DOMAIN)
 
 
 def parts(view: FleetView) -> dict[str, Callable[[], Any]]:
     """Each step of one decision, as the router runs them (the later ones on fixed inputs)."""
     live = liveness.live(view.workers.values(), NOW, TTL_S)
     candidates = [w.worker_id for w in live if MODEL in w.models]
-    depth = view.depth()
-    typical = view.typical_ms(MODEL, DOMAIN, candidates)
-    failures = view.failure_rate(MODEL, DOMAIN, candidates)
+    estimates = view.figures.estimates(MODEL, DOMAIN, candidates, view.queued())
     return {
         "expire": lambda: view.expire(NOW, MAX_AGE_S),
         "live": lambda: liveness.live(view.workers.values(), NOW, TTL_S),
         "candidates": lambda: [w.worker_id for w in live if MODEL in w.models],
-        "depth": view.depth,
-        "typical_ms": lambda: view.typical_ms(MODEL, DOMAIN, candidates),
-        "failure_rate": lambda: view.failure_rate(MODEL, DOMAIN, candidates),
-        "choose": lambda: policy.choose(
-            MODEL, live, depth=depth, typical_ms=typical, failure_rate=failures
-        ),
+        "estimates": lambda: view.figures.estimates(MODEL, DOMAIN, candidates, view.queued()),
+        "choose": lambda: policy.choose(MODEL, live, estimates=estimates),
     }
 
 
@@ -97,14 +123,7 @@ def decide(view: FleetView) -> policy.Decision:
     """One whole decision, as `Router.handle_route` makes it."""
     view.expire(NOW, MAX_AGE_S)
     live = liveness.live(view.workers.values(), NOW, TTL_S)
-    candidates = [w.worker_id for w in live if MODEL in w.models]
-    return policy.choose(
-        MODEL,
-        live,
-        depth=view.depth(),
-        typical_ms=view.typical_ms(MODEL, DOMAIN, candidates),
-        failure_rate=view.failure_rate(MODEL, DOMAIN, candidates),
-    )
+    return router_decide.decide(REQUEST, live, (), view, gpu_models=()).decision
 
 
 def time_ms(fn: Callable[[], Any], budget_s: float = SAMPLE_S) -> float:

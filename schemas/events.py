@@ -61,6 +61,11 @@ class TaskRouted(Event, frozen=True, kw_only=True, tag="routed"):
     worker: str
     queue: str
     reason: str = ""
+    model: str | None = None
+    """The task's model (canonical), so every router and the reaper know what waits on each
+    worker without reading the larger ``submitted``; None in events that predate this."""
+    domain: str | None = None
+    """The domain routing used (the request's, else its prompt's)."""
 
 
 class TaskStarted(Event, frozen=True, kw_only=True, tag="started"):

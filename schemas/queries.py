@@ -63,6 +63,8 @@ class WorkerView(Wire, frozen=True, kw_only=True):
     """Why it is degraded."""
     health_since: float | None = None
     """When its health last changed (None: a worker that does not probe its backend)."""
+    resident: list[str] | None = None
+    """The models its backend holds in memory, as it last said (None: it does not say)."""
 
 
 class WorkersReply(Wire, frozen=True, kw_only=True):

@@ -39,10 +39,21 @@ class RoutingFigure(Wire, frozen=True, kw_only=True):
     """When the latest counted outcome ended."""
     updated_at: float
     """When this value was published."""
+    warm_ms: float | None = None
+    """p50 of the total duration less the load time of done tasks: a run on a model already
+    in memory. None from a stats service that predates this."""
+    cold_load_ms: float | None = None
+    """p50 of the load time of done tasks that loaded the model (load at least
+    `COLD_LOAD_MIN_MS`): what a cold start costs on this worker. None: none seen yet."""
 
 
 # How many of a key's latest outcomes the ``recent_*`` figures cover.
 RECENT_WINDOW = 20
+
+# A load time from this many milliseconds on is a cold load: the model was read into memory.
+# Ollama reports a few milliseconds for a model already loaded, and a second or more for a
+# cold one (it starts a runner process and reads the weights).
+COLD_LOAD_MIN_MS = 100.0
 
 routing_figure_decoder = msgspec.json.Decoder(RoutingFigure)
 
@@ -64,6 +75,8 @@ class FigureView(Wire, frozen=True, kw_only=True):
     p95_ms: float | None = None
     load_ms_mean: float | None = None
     load_ms_p50: float | None = None
+    cold_load_ms_p50: float | None = None
+    """p50 of the load time of done tasks that loaded the model (`COLD_LOAD_MIN_MS` or more)."""
     warm_p50_ms: float | None = None
     tokens_per_s: float | None = None
     first_token_ms_p50: float | None = None

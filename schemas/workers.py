@@ -46,6 +46,12 @@ class WorkerRecord(Wire, frozen=True, kw_only=True):
     health_since: float | None = None
     """When ``health`` last changed (the start, for a worker never degraded); None from a
     worker that does not probe its backend (a web-search worker, or one that predates this)."""
+    resident: list[str] | None = None
+    """The models its backend holds in memory now (of ``models``, by the same names), as
+    of its last probe or task end (Ollama's ``/api/ps``): routing counts a cold load for any
+    other model. None: the worker does not say (an OpenAI-compatible backend has no such
+    list, a web-search worker runs no model, a worker that predates this), and routing
+    counts no cold load for it."""
 
     def facts_of(self, model: str) -> ModelFacts:
         """The facts of one of ``models`` (defaults when the worker gave none)."""

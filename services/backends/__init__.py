@@ -127,4 +127,10 @@ class Backend(Protocol):
         registers `ModelFacts`'s defaults)."""
         ...
 
+    async def resident_models(self) -> list[str] | None:
+        """The models the server holds in memory now (by served name), which start without
+        a cold load; None when the server has no way to say. Raises `BackendUnavailable`
+        when it is down, `BackendError` when it answers otherwise."""
+        ...
+
     async def aclose(self) -> None: ...

@@ -1,7 +1,8 @@
-"""Ollama over HTTP: ``/api/tags`` and ``/api/show`` for the models, streamed
-``/api/generate`` for the work (``/api/chat`` for a task that carries a conversation or
-tools), ``/api/embed`` for vectors. The request bodies are built by `ollama_request` and the
-answers read by `ollama_reply` (both pure); this module is the HTTP client.
+"""Ollama over HTTP: ``/api/tags`` and ``/api/show`` for the models (``/api/ps``: those
+loaded), streamed ``/api/generate`` for the work (``/api/chat`` for a task that carries a
+conversation or tools), ``/api/embed`` for vectors. The request bodies are built by
+`ollama_request` and the answers read by `ollama_reply` (both pure); this module is the HTTP
+client.
 
 Streaming is used even though the answer is returned whole: each chunk is a sign of life
 (the worker turns it into ``in_progress()``), and the first chunk gives time to first token.
@@ -46,6 +47,7 @@ from services.backends.ollama_reply import (
     facts_of,
     legacy_vector,
     model_names,
+    running_names,
 )
 from services.backends.ollama_request import embed_body, generate_body, legacy_embed_body
 from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
@@ -135,6 +137,19 @@ class OllamaBackend:
         if status != 200:
             raise BackendError(f"Ollama at {self._base_url} answered /api/tags with HTTP {status}")
         return model_names(content, self._base_url)
+
+    async def resident_models(self) -> list[str]:
+        """``/api/ps``: the models loaded now (their runners keep them until ``keep_alive``
+        runs out, or another model needs the memory)."""
+        try:
+            status, content = await self._get("/api/ps")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise BackendUnavailable(
+                f"Ollama at {self._base_url} cannot be reached: {_describe(exc)}"
+            ) from exc
+        if status != 200:
+            raise BackendError(f"Ollama at {self._base_url} answered /api/ps with HTTP {status}")
+        return running_names(content, self._base_url)
 
     async def generate(
         self,

@@ -183,6 +183,26 @@ def model_names(content: bytes, address: str) -> list[str]:
         raise BackendError(f"Ollama at {address}: malformed /api/tags reply: {exc}") from exc
 
 
+class _Running(msgspec.Struct):
+    name: str
+
+
+class _Ps(msgspec.Struct):
+    models: list[_Running] = []
+
+
+_ps_decoder = msgspec.json.Decoder(_Ps)
+
+
+def running_names(content: bytes, address: str) -> list[str]:
+    """The names in an ``/api/ps`` reply (the models loaded); a malformed one is a
+    `BackendError`."""
+    try:
+        return [m.name for m in _ps_decoder.decode(content).models]
+    except msgspec.DecodeError as exc:
+        raise BackendError(f"Ollama at {address}: malformed /api/ps reply: {exc}") from exc
+
+
 def decode_tags(content: bytes) -> dict[str, Tag]:
     """An ``/api/tags`` reply's entries by name (raises `msgspec.DecodeError`)."""
     return {t.name: t for t in _tags_decoder.decode(content).models}

@@ -65,6 +65,14 @@ class OpenAIBackend:
     async def list_models(self) -> list[str]:
         return [m.id for m in await self._models()]
 
+    async def resident_models(self) -> None:
+        """Nothing: the OpenAI-compatible API has no list of the models in memory. llama.cpp's
+        server and vLLM hold the one model they were started with for as long as they run,
+        so counting no cold load is right for them; LM Studio and Ollama's ``/v1`` load on
+        demand, and a list of served models would claim what nobody knows. So the worker
+        reports nothing, and routing counts no cold load for it."""
+        return None
+
     async def _models(self) -> list[ModelEntry]:
         try:
             async with self._sent(self._client.build_request("GET", "/models")) as reply:

@@ -18,11 +18,18 @@ generation at a time per worker), runs the probe it names and folds the result i
 A failed probe, and a task whose backend could not be reached, sent no first token in time or
 stalled mid-stream, make the worker ``degraded`` with the reason. Only a passed generation (a
 probe's or a task's) makes it ``healthy`` again: a model list that answers is not the work.
+
+The same probes read which models the backend holds in memory (Ollama's ``/api/ps``), which
+the worker registers (`schemas.workers.WorkerRecord.resident`) so routing can count a cold
+load. Between probes a task's end says it (`resident_after_task`): the model that just ran
+is loaded, unless its ``keep_alive`` unloads it at once; when it was not loaded before, its
+load may have pushed others out of memory, so the list is read again before the next task.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -125,3 +132,36 @@ def routable(record: WorkerRecord) -> bool:
 def degraded_reason(record: WorkerRecord) -> str:
     """How a degraded worker's state reads in an error or a finding."""
     return f"worker '{record.worker_id}' is degraded: {record.health_reason or 'no reason given'}"
+
+
+# A Go duration (what Ollama's ``keep_alive`` string is): numbers with units, signed.
+_GO_DURATION = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+")
+_NUMBER = re.compile(r"\d+\.?\d*|\.\d+")
+
+
+def unloads_at_once(keep_alive: float | str | None) -> bool:
+    """Does ``keep_alive`` (Ollama's: seconds, or a Go duration such as ``"0s"``) unload the
+    model as soon as its request is done?"""
+    if keep_alive is None:
+        return False
+    if not isinstance(keep_alive, str):
+        return keep_alive == 0
+    text = keep_alive.strip()
+    if text in ("0", "+0", "-0"):  # Go reads a bare zero without a unit
+        return True
+    return bool(_GO_DURATION.fullmatch(text)) and all(
+        float(number) == 0 for number in _NUMBER.findall(text)
+    )
+
+
+def resident_after_task(
+    resident: frozenset[str] | None, model: str, keep_alive: float | str | None
+) -> tuple[frozenset[str] | None, bool]:
+    """The models in memory after a task of ``model`` worked, given those before (None: not
+    known), and whether to read them from the backend again before the next task (True when
+    the model had to be loaded: that may have pushed other models out)."""
+    loaded = resident is not None and model in resident
+    if resident is None:
+        return None, True
+    after = resident - {model} if unloads_at_once(keep_alive) else resident | {model}
+    return after, not loaded

@@ -2,8 +2,9 @@
 
 Lesson 1 of the design: the tier is not a property of the model name. It is decided here, from
 who is live: a model listed in ``GPU_MODELS`` (every model, when the list is empty) goes to a
-GPU worker when a live GPU worker has it, else to a CPU worker that has it, else the request is
-refused with an error that names the model and why.
+GPU worker when a live GPU worker has it, unless the best GPU worker would finish it more than
+``GPU_PREFERENCE`` times later than the best CPU worker; else to a CPU worker that has it;
+else the request is refused with an error that names the model and why.
 
 It is given the live workers (`services.fleet.liveness.live`); the router applies it to route,
 the reaper to re-route a dead worker's task, with the same answer for the same state. A worker
@@ -14,7 +15,7 @@ it is no candidate, and a request that names it is refused with the reason (less
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from schemas.models import DEFAULT_CAPABILITIES, does_not_support, missing
 from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE, Tier, worker_queue
@@ -26,13 +27,21 @@ from services.runtime.errors import NoWorker, UnsupportedCapability, WorkerUnava
 SHARED_WORKER = "shared"
 
 
-# Typical duration (ms) assumed when no worker has figures for the model yet; only the ratio
-# between candidates matters, so any positive constant gives "least loaded first".
+# Typical duration (ms) assumed when no worker has figures for the model yet: among workers
+# that all lack figures, any positive constant gives "least loaded first".
 PRIOR_TYPICAL_MS = 1_000.0
+
+# Cold-load time (ms) assumed for a model no worker has loaded yet: what a 7-8B model takes to
+# be read into memory from a local disk.
+PRIOR_COLD_LOAD_MS = 5_000.0
 
 # A failure rate is capped so that a worker with a bad spell is avoided, not banished: at the
 # cap its expected time is ten times its typical one.
 MAX_FAILURE_RATE = 0.9
+
+# How much later than the best CPU worker the best GPU worker may finish a GPU-preferred task
+# and still get it (``GPU_PREFERENCE``): a GPU frees the CPU boxes for what only they can run.
+DEFAULT_GPU_PREFERENCE = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +50,30 @@ class Decision:
     tier: Tier | None
     queue: str
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Estimates:
+    """What is known of each worker for one task (by worker id; a worker left out gets the
+    priors): the inputs of `expected_completion_ms`.
+
+    Made from the stats service's figures for the task's model and domain
+    (`services.fleet.figures.Figures.estimates`).
+    """
+
+    queued_ms: Mapping[str, Sequence[float]] = field(default_factory=dict)
+    """The typical duration of each task queued or running on the worker: the work ahead."""
+    queued_loads: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """The models of those tasks (where known), each with its cold-load time there
+    (`PRIOR_COLD_LOAD_MS` where no figure says)."""
+    typical_ms: Mapping[str, float] = field(default_factory=dict)
+    """The task's typical duration there, model loads as they happened included (p50)."""
+    warm_ms: Mapping[str, float] = field(default_factory=dict)
+    """The same without the model's load time (p50); `typical_ms` where absent."""
+    cold_load_ms: Mapping[str, float] = field(default_factory=dict)
+    """What loading the model costs there (`PRIOR_COLD_LOAD_MS` where absent)."""
+    failure_rate: Mapping[str, float] = field(default_factory=dict)
+    """The worker's recent failure rate for the model and domain (0 where absent)."""
 
 
 def tier_of(record: WorkerRecord) -> Tier:
@@ -65,12 +98,52 @@ def can_serve(record: WorkerRecord, model: str, needs: Sequence[str]) -> bool:
 
 
 def expected_completion_ms(
-    depth: int, typical_ms: float = PRIOR_TYPICAL_MS, failure_rate: float = 0.0
+    record: WorkerRecord, model: str, estimates: Estimates, shared_ms: float = 0.0
 ) -> float:
-    """(tasks queued or running on the worker + 1) × its typical duration, penalised by its
-    recent failure rate: a task fails with probability p and is then run again elsewhere, so
-    on average it costs 1 / (1 - p) runs."""
-    return (depth + 1) * typical_ms / (1.0 - min(max(failure_rate, 0.0), MAX_FAILURE_RATE))
+    """When the worker would finish a task of ``model`` sent to it now, in ms from now:
+
+        (ahead + loads ahead + load + run) / (1 - min(failure rate, 0.9))
+
+    - ahead: the sum of the typical durations of the tasks queued or running on it; for a
+      CPU worker, plus its share of those on the shared CPU queue (``shared_ms``: their sum
+      over the CPU workers that pull it), which it runs too, between its own;
+    - when the worker says which models its backend holds in memory (``resident``, and the
+      model of the task it runs now, ``current_model``):
+      loads ahead: the cold-load time of each model of the tasks ahead that is not in
+      memory (once per model: its first task loads it);
+      run: the model's warm duration there;
+      load: its cold-load time, unless a task of the model is ahead (which loads it), or it
+      is in memory and nothing is loaded before it runs (a load may push it out);
+    - when the worker does not say: no loads, and run is its typical duration (a p50 that
+      holds the loads as they happened);
+    - a task fails with probability p and is then run again elsewhere, so on average it
+      costs 1 / (1 - p) runs.
+
+    Absent figures are the priors: `PRIOR_TYPICAL_MS`, `PRIOR_COLD_LOAD_MS`, no failures.
+    """
+    worker_id = record.worker_id
+    typical = estimates.typical_ms.get(worker_id, PRIOR_TYPICAL_MS)
+    ahead = sum(estimates.queued_ms.get(worker_id, ()))
+    resident = record.resident
+    if resident is None:
+        run = typical
+    else:
+        running = record.current_model
+        queued = estimates.queued_loads.get(worker_id)
+        loading = False
+        if queued:
+            for queued_model, load_ms in queued.items():
+                if queued_model != running and queued_model not in resident:
+                    ahead += load_ms
+                    loading = True
+        run = estimates.warm_ms.get(worker_id, typical)
+        held = model == running or model in resident
+        if not (queued and model in queued) and (loading or not held):
+            run += estimates.cold_load_ms.get(worker_id, PRIOR_COLD_LOAD_MS)
+    if tier_of(record) == "cpu":
+        ahead += shared_ms
+    failure_rate = estimates.failure_rate.get(worker_id, 0.0)
+    return (ahead + run) / (1.0 - min(max(failure_rate, 0.0), MAX_FAILURE_RATE))
 
 
 def choose(
@@ -79,9 +152,8 @@ def choose(
     *,
     designated: str | None = None,
     gpu_models: Collection[str] = (),
-    depth: Mapping[str, int] | None = None,
-    typical_ms: Mapping[str, float] | None = None,
-    failure_rate: Mapping[str, float] | None = None,
+    gpu_preference: float = DEFAULT_GPU_PREFERENCE,
+    estimates: Estimates | None = None,
     needs: Sequence[str] = DEFAULT_CAPABILITIES,
 ) -> Decision:
     """Pick the worker for one task among live ``workers``, or raise `NoWorker`.
@@ -89,16 +161,17 @@ def choose(
     Only workers whose copy of the model has every capability in ``needs`` are candidates;
     when the model is served but no copy has them, `UnsupportedCapability` names what lacks.
 
-    ``depth`` is the number of tasks queued or running per worker id; ``typical_ms`` and
-    ``failure_rate`` are each worker's figures for this model and domain (`PRIOR_TYPICAL_MS`
-    and 0 where absent). Among the candidates the least expected completion time wins; ties
-    go to the smallest worker id, so the same state always gives the same answer. When every
-    CPU candidate is busy and every live CPU worker serves the model, the task goes to the
-    shared CPU queue instead, where whichever worker frees up first takes it.
+    Each candidate's `expected_completion_ms` comes from ``estimates``. A model that prefers
+    a GPU (in ``gpu_models``, or every model when that is empty) goes to the GPU candidate
+    that would finish first, unless that is more than ``gpu_preference`` times later than
+    the CPU candidate that would finish first, which then gets it; with no GPU candidate, to
+    a CPU one. Any other model goes to the candidate of either tier that would finish first.
+    Ties go to the smallest worker id, so the same state always gives the same answer. When
+    the pick is a CPU worker, every CPU candidate is busy and every live CPU worker serves
+    the model, the task goes to the shared CPU queue instead, where whichever worker frees
+    up first takes it.
     """
-    depths = depth or {}
-    typical = typical_ms or {}
-    failures = failure_rate or {}
+    known = estimates or Estimates()
     if designated is not None:
         return _designated(model, workers, designated, needs)
 
@@ -111,46 +184,59 @@ def choose(
         fewest = min((lacks(w, model, needs) for w in having), key=len)
         raise UnsupportedCapability(does_not_support(model, fewest))
 
+    # The shared CPU queue's tasks, each CPU worker's share (it pulls them between its own).
+    pulling = _pulling_shared(workers)
+    shared_ms = sum(known.queued_ms.get(SHARED_WORKER, ())) / max(pulling, 1)
+
+    def best(pool: Sequence[WorkerRecord]) -> tuple[float, WorkerRecord]:
+        found_ms, found = expected_completion_ms(pool[0], model, known, shared_ms), pool[0]
+        for w in pool[1:]:
+            ms = expected_completion_ms(w, model, known, shared_ms)
+            if ms < found_ms or (ms == found_ms and w.worker_id < found.worker_id):
+                found_ms, found = ms, w
+        return found_ms, found
+
     prefer_gpu = not gpu_models or model in gpu_models
-    gpu = [w for w in serving if tier_of(w) == "gpu"]
+    gpu: list[WorkerRecord] = []
+    cpu: list[WorkerRecord] = []
+    for w in serving:
+        (gpu if tier_of(w) == "gpu" else cpu).append(w)
     if prefer_gpu and gpu:
-        pool, why = gpu, "gpu worker live with the model"
+        gpu_ms, pick = best(gpu)
+        why = "gpu worker live with the model"
+        if cpu:
+            cpu_ms, cpu_best = best(cpu)
+            if gpu_ms > gpu_preference * cpu_ms:
+                pick = cpu_best
+                why = (
+                    f"gpu workers busy: the best would finish in {gpu_ms:.0f} ms, over "
+                    f"{gpu_preference:g}x the best cpu worker's {cpu_ms:.0f} ms"
+                )
     elif prefer_gpu:
-        pool, why = serving, "no live gpu worker has the model; cpu fallback"
+        pick, why = best(serving)[1], "no live gpu worker has the model; cpu fallback"
     else:
-        pool, why = serving, "least expected completion time"
+        pick, why = best(serving)[1], "least expected completion time"
 
-    def expected(w: WorkerRecord) -> float:
-        return expected_completion_ms(
-            depths.get(w.worker_id, 0),
-            typical.get(w.worker_id, PRIOR_TYPICAL_MS),
-            failures.get(w.worker_id, 0.0),
-        )
-
-    best = min(pool, key=lambda w: (expected(w), w.worker_id))
-    tier = tier_of(best)
-    if tier == "cpu" and _shared_fits(model, pool, workers, depths, needs):
+    tier = tier_of(pick)
+    if tier == "cpu" and _shared_fits(cpu, pulling, known):
         return Decision(SHARED_WORKER, "cpu", SHARED_CPU_QUEUE, "every cpu worker busy; shared")
-    return Decision(best.worker_id, tier, worker_queue(tier, best.worker_id), why)
+    return Decision(pick.worker_id, tier, worker_queue(tier, pick.worker_id), why)
 
 
-def _shared_fits(
-    model: str,
-    pool: Collection[WorkerRecord],
-    workers: Collection[WorkerRecord],
-    depths: Mapping[str, int],
-    needs: Sequence[str],
-) -> bool:
-    """The shared queue helps only when more than one CPU worker could take the task, all of
-    them are busy, and every CPU worker that pulls the shared queue serves the model with
-    what the task needs."""
-    cpu_pool = [w for w in pool if tier_of(w) == "cpu"]
-    # A degraded worker pulls no queue, the shared one included.
-    cpu_all = [w for w in _inference(workers) if tier_of(w) == "cpu" and routable(w)]
+def _pulling_shared(workers: Collection[WorkerRecord]) -> int:
+    """How many live workers pull the shared CPU queue: the CPU workers (a degraded worker
+    pulls no queue, the shared one included)."""
+    return sum(1 for w in _inference(workers) if tier_of(w) == "cpu" and routable(w))
+
+
+def _shared_fits(cpu: Collection[WorkerRecord], pulling: int, estimates: Estimates) -> bool:
+    """The shared queue helps only when more than one CPU worker could take the task (the
+    ``cpu`` candidates), all of them are busy, and every CPU worker that pulls the shared
+    queue (``pulling`` of them) serves the model with what the task needs: is one of them."""
     return (
-        len(cpu_pool) > 1
-        and all(depths.get(w.worker_id, 0) > 0 for w in cpu_pool)
-        and all(can_serve(w, model, needs) for w in cpu_all)
+        len(cpu) > 1
+        and all(estimates.queued_ms.get(w.worker_id) for w in cpu)
+        and pulling == len(cpu)
     )
 
 

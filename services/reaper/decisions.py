@@ -6,9 +6,11 @@
   its router never routed goes to that worker, if it is live).
 - A task already tried ``MAX_ATTEMPTS`` times fails (``too_many_attempts``).
 - Otherwise the routing policy the router applies (`services.fleet.policy.choose`) picks
-  another live worker serving the model, any tier, never the one the finding names: the task
-  is routed again as attempt N+1. When there is none it fails with ``no alternative worker
-  can serve model '<m>' (reason=<reason>); single point of failure``.
+  another live worker serving the model, any tier, never the one the finding names, with
+  the router's estimates (the stats service's figures for the task's model and domain, and
+  the tasks queued on each worker): the task is routed again as attempt N+1. When there is
+  none it fails with ``no alternative worker can serve model '<m>' (reason=<reason>); single
+  point of failure``.
 
 While the registry is being read again after a reconnect to NATS (``settling``,
 `services.fleet.settling`), a failure for want of a live worker (no alternative worker, a
@@ -22,14 +24,15 @@ attempt N+1, the one it found no worker for. Either way a later, stale outcome c
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from schemas.models import DEFAULT_CAPABILITIES
 from schemas.tasks import is_retryable
 from schemas.workers import WorkerRecord
+from services.fleet.figures import Figures, Queued
 from services.fleet.liveness import live
-from services.fleet.policy import Decision, choose
+from services.fleet.policy import DEFAULT_GPU_PREFERENCE, Decision, choose
 from services.reaper.detectors import DEAD_WORKER, TaskFinding
 from services.reaper.view import TaskTrack
 from services.runtime.errors import (
@@ -51,6 +54,8 @@ class Move:
     decision: Decision
     reason: str
     """For the ``routed`` event: why it moved, and why there."""
+    domain: str | None = None
+    """The domain its routing used (recorded with the ``routed`` event)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +96,14 @@ def decide(
     ttl_s: float,
     max_attempts: int,
     gpu_models: Collection[str] = (),
-    depth: Mapping[str, int] | None = None,
+    gpu_preference: float = DEFAULT_GPU_PREFERENCE,
+    figures: Figures | None = None,
+    queued: Queued | None = None,
     settling: bool = False,
 ) -> Move | Fail | Wait:
-    """Move ``task`` to another live worker, or fail it; ``workers`` is the whole registry.
-    While ``settling``, `Wait` instead of failing it for want of a live worker."""
+    """Move ``task`` to another live worker, or fail it; ``workers`` is the whole registry,
+    ``queued`` the open tasks per worker (`services.reaper.view.ReaperView.queued`). While
+    ``settling``, `Wait` instead of failing it for want of a live worker."""
     moved_on = task.status == "retry"
     fail_attempt = task.attempt + 1 if moved_on else max(task.attempt, 1)
 
@@ -119,7 +127,8 @@ def decide(
             if settling:
                 return Wait(task.task_id, task.attempt, f"{exc.message} (view settling)")
             return fail(WorkerUnavailable.code, f"{exc.message} (reason={finding.reason})")
-        return Move(task.task_id, 1, decision, f"routed by the reaper ({finding.detail})")
+        reason = f"routed by the reaper ({finding.detail})"
+        return Move(task.task_id, 1, decision, reason, task.domain)
     if task.designated is not None:
         return fail(
             WorkerUnavailable.code,
@@ -139,8 +148,18 @@ def decide(
             f"gave up after {task.attempt} attempts (reason={finding.reason}): {finding.detail}",
         )
     others = [w for w in alive if w.worker_id != finding.worker]
+    candidates = [w.worker_id for w in others if task.model in w.models]
+    domain = task.domain or ""  # unknown: the worker's figures for the model in any domain
+    estimates = (figures or Figures()).estimates(task.model, domain, candidates, queued or {})
     try:
-        decision = choose(task.model, others, gpu_models=gpu_models, depth=depth, needs=needs)
+        decision = choose(
+            task.model,
+            others,
+            gpu_models=gpu_models,
+            gpu_preference=gpu_preference,
+            estimates=estimates,
+            needs=needs,
+        )
     except (NoWorker, UnsupportedCapability) as exc:
         if settling:
             return Wait(task.task_id, task.attempt, f"{exc.message} (view settling)")
@@ -150,4 +169,5 @@ def decide(
         task.attempt + 1,
         decision,
         f"moved by the reaper ({finding.reason}: {finding.detail}); {decision.reason}",
+        task.domain,
     )

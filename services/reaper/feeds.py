@@ -1,8 +1,9 @@
 """What keeps the reaper's view up to date (DESIGN: the reaper never queries Postgres).
 
-A KV watch of ``workers`` and ``asleep``, and an ordered consumer on ``EVENTS`` that starts
-``REAPER_LOOKBACK_S`` back, so a restarted reaper (``kill -9`` included) rebuilds what is under
-way from the log before it judges anything. Each look also samples the consumer info of the
+A KV watch of ``workers``, ``asleep`` and ``stats`` (the routing figures a moved task is
+routed by), and an ordered consumer on ``EVENTS`` that starts ``REAPER_LOOKBACK_S`` back, so a
+restarted reaper (``kill -9`` included) rebuilds what is under way from the log before it
+judges anything. Each look also samples the consumer info of the
 queues that hold open tasks and of every live worker's own consumer.
 
 The registry's settling (`services.fleet.settling`) is kept here too: from a start until the
@@ -47,6 +48,7 @@ from schemas.subjects import (
     worker_consumer,
 )
 from schemas.workers import worker_record_decoder
+from services.fleet.figures import decode_figure
 from services.fleet.liveness import is_live, live
 from services.fleet.policy import SHARED_WORKER
 from services.fleet.settling import SettlingTracker
@@ -77,9 +79,11 @@ class Feeds:
         self._events_sub: JetStreamContext.PushSubscription | None = None
         self.settling = SettlingTracker(reconnects(nc), time.time())
 
-    async def start(self, workers: KeyValue, asleep: KeyValue, tasks: TaskSet) -> None:
-        """Follow both buckets and the event log (in ``tasks``); return once they are read."""
-        ready = [asyncio.Event(), asyncio.Event()]
+    async def start(
+        self, workers: KeyValue, asleep: KeyValue, stats: KeyValue, tasks: TaskSet
+    ) -> None:
+        """Follow the buckets and the event log (in ``tasks``); return once they are read."""
+        ready = [asyncio.Event(), asyncio.Event(), asyncio.Event()]
         tasks.spawn(
             follow_bucket(
                 self.nc,
@@ -92,6 +96,7 @@ class Feeds:
             name="watch-workers",
         )
         tasks.spawn(follow_bucket(self.nc, asleep, self._on_asleep, ready[1]), name="watch-asleep")
+        tasks.spawn(follow_bucket(self.nc, stats, self._on_figure, ready[2]), name="watch-stats")
         since = datetime.datetime.fromtimestamp(
             time.time() - self.settings.reaper_lookback_s, tz=datetime.UTC
         )
@@ -202,6 +207,11 @@ class Feeds:
             record = worker_record_decoder.decode(value)
             self.view.put_worker(record)
             self.settling.put(record)
+
+    def _on_figure(self, entry: KeyValue.Entry) -> None:
+        """A figure was published; a deleted one leaves the last value in place."""
+        if (data := value_of(entry)) is not None:
+            self.view.figures.put(*decode_figure(data))
 
     def _on_asleep(self, entry: KeyValue.Entry) -> None:
         if value_of(entry) is None:

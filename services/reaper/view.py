@@ -13,6 +13,7 @@ nothing, one of a higher attempt starts that attempt.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal, assert_never
@@ -29,6 +30,7 @@ from schemas.route import TaskType
 from schemas.tasks import is_retryable, needs_of
 from schemas.workers import WorkerRecord
 from services.fleet.binding import refusal
+from services.fleet.figures import Figures
 
 TaskStatus = Literal["unrouted", "queued", "running", "retry", "ended"]
 """``unrouted``: submitted, never routed. ``retry``: a worker ran the current attempt and
@@ -62,6 +64,9 @@ class TaskTrack:
     needs: tuple[str, ...] = ()
     """The model capabilities the task needs (`schemas.tasks.needs_of`); () before its
     submission is seen."""
+    domain: str | None = None
+    """The domain its routing used (from its ``routed``, else as submitted): which figures
+    count for it. None: not known (events that predate it)."""
 
     @property
     def holder(self) -> str | None:
@@ -87,6 +92,7 @@ def track(state: TaskTrack | None, event: TaskEvent) -> TaskTrack:
                     designated=event.requested_worker,
                     since=event.at,
                     needs=needs_of(event),
+                    domain=event.domain,
                 )
             return dataclasses.replace(
                 state,
@@ -95,6 +101,7 @@ def track(state: TaskTrack | None, event: TaskEvent) -> TaskTrack:
                 timeout_s=event.timeout_s,
                 designated=event.requested_worker,
                 needs=needs_of(event),
+                domain=state.domain or event.domain,
             )
         case TaskRouted():
             current = state or TaskTrack(task_id=event.task_id, since=event.at)
@@ -111,6 +118,7 @@ def track(state: TaskTrack | None, event: TaskEvent) -> TaskTrack:
                 queue=event.queue,
                 runner=None,
                 failure_code=None,
+                domain=event.domain or current.domain,
             )
         case TaskStarted():
             current = state or TaskTrack(task_id=event.task_id, since=event.at)
@@ -259,6 +267,8 @@ class ReaperView:
     """Workers whose machine sleeps: the router wakes them and owns their tasks' fate."""
     consumers: dict[str, ConsumerHistory] = field(default_factory=dict)
     instances: dict[str, dict[str, Instance]] = field(default_factory=dict)
+    figures: Figures = field(default_factory=Figures)
+    """The stats service's routing figures (the ``stats`` bucket), as the router has them."""
 
     def apply(self, event: TaskEvent, source: str | None = None) -> str | None:
         """Fold one task event, recorded by the worker ``source`` (None: by the router or the
@@ -310,10 +320,12 @@ class ReaperView:
             if not known:
                 del self.instances[worker_id]
 
-    def depth(self) -> dict[str, int]:
-        """Open tasks per worker they wait on (what the routing policy calls depth)."""
-        counts: dict[str, int] = {}
+    def queued(self) -> dict[str, Counter[tuple[str | None, str | None]]]:
+        """Open tasks per worker they wait on, by model and domain (the work queued ahead of
+        a task the routing policy sends there; `services.fleet.figures.Queued`)."""
+        counts: dict[str, Counter[tuple[str | None, str | None]]] = {}
         for task in self.tasks.values():
             if task.status in ("queued", "running") and task.holder is not None:
-                counts[task.holder] = counts.get(task.holder, 0) + 1
+                work = (task.model or None, task.domain)
+                counts.setdefault(task.holder, Counter())[work] += 1
         return counts

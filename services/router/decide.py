@@ -27,6 +27,8 @@ class Plan:
 
     decision: policy.Decision
     waking: WorkerRecord | None = None
+    domain: str | None = None
+    """The domain the decision used (None for a web search), recorded with the routing."""
 
 
 def decide(
@@ -36,6 +38,7 @@ def decide(
     view: FleetView,
     *,
     gpu_models: Collection[str],
+    gpu_preference: float = policy.DEFAULT_GPU_PREFERENCE,
 ) -> Plan:
     """The plan for ``request`` (its model canonical), given the ``live`` workers; raises
     `NoWorker` (or `UnsupportedCapability`) when neither a live nor a sleeping worker can
@@ -51,9 +54,8 @@ def decide(
             live,
             designated=request.worker,
             gpu_models=gpu_models,
-            depth=view.depth(),
-            typical_ms=view.typical_ms(request.model, domain, candidates),
-            failure_rate=view.failure_rate(request.model, domain, candidates),
+            gpu_preference=gpu_preference,
+            estimates=view.figures.estimates(request.model, domain, candidates, view.queued()),
             needs=needs,
         )
     except (NoWorker, UnsupportedCapability):
@@ -62,8 +64,9 @@ def decide(
         )
         if sleeper is None:
             raise
-        return Plan(policy.decision_for(sleeper, "sleeping worker woken for the task"), sleeper)
-    return Plan(decision)
+        woken = policy.decision_for(sleeper, "sleeping worker woken for the task")
+        return Plan(woken, sleeper, domain)
+    return Plan(decision, domain=domain)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -59,6 +59,7 @@ def workers_reply(
             health=r.health,
             health_reason=r.health_reason,
             health_since=r.health_since,
+            resident=r.resident,
         )
         for r in sorted(liveness.live(view.workers.values(), now, ttl_s), key=lambda r: r.worker_id)
     ]

@@ -144,6 +144,11 @@ class HealthWatch(Protocol):
     @property
     def health(self) -> Health: ...
 
+    @property
+    def resident(self) -> list[str] | None:
+        """The models the backend holds in memory (None: it cannot say)."""
+        ...
+
     def due(self) -> bool:
         """Is a probe due now?"""
         ...

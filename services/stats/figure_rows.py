@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from schemas.stats import RECENT_WINDOW
+from schemas.stats import COLD_LOAD_MIN_MS, RECENT_WINDOW
 from services.stats.rows import Connection, FigureKey
 
 # An outcome counts unless an active exclusion covers it.
@@ -31,6 +31,7 @@ FIGURE_COLUMNS: Final = (
     "p95_ms",
     "load_ms_mean",
     "load_ms_p50",
+    "cold_load_ms_p50",
     "warm_p50_ms",
     "tokens_per_s",
     "first_token_ms_p50",
@@ -65,6 +66,8 @@ SELECT r.model, r.domain, r.worker,
     percentile_cont(0.95) WITHIN GROUP (ORDER BY r.total_ms) FILTER (WHERE r.ok),
     avg(r.load_ms) FILTER (WHERE r.ok),
     percentile_cont(0.5) WITHIN GROUP (ORDER BY r.load_ms) FILTER (WHERE r.ok),
+    percentile_cont(0.5) WITHIN GROUP (ORDER BY r.load_ms)
+        FILTER (WHERE r.ok AND r.load_ms >= {COLD_LOAD_MIN_MS!r}),
     percentile_cont(0.5) WITHIN GROUP (ORDER BY r.total_ms - coalesce(r.load_ms, 0))
         FILTER (WHERE r.ok),
     sum(r.eval_tokens) FILTER (WHERE r.ok AND r.eval_ms > 0 AND r.eval_tokens IS NOT NULL)

@@ -63,6 +63,8 @@ def routing_figure(view: FigureView, now: float) -> RoutingFigure:
         typical_ms=view.p50_ms,
         p95_ms=view.p95_ms,
         load_ms_p50=view.load_ms_p50,
+        warm_ms=view.warm_p50_ms,
+        cold_load_ms=view.cold_load_ms_p50,
         tokens_per_s=view.tokens_per_s,
         quality_mean=view.quality_mean,
         quality_count=view.quality_count,

@@ -3,8 +3,9 @@ and progress timeouts of every generation. The rules (when to probe, what makes 
 degraded or healthy) are `services.fleet.health`; this runs them against the backend.
 
 The task loop asks `BackendProbe.check` between tasks only, so a probe never runs beside a
-task (one generation at a time per worker), and reads `BackendProbe.health` into every
-heartbeat. A degraded worker keeps its lease and heartbeats (it is alive) but pulls nothing
+task (one generation at a time per worker), and reads `BackendProbe.health` and
+`BackendProbe.resident` (the models the backend holds in memory) into every heartbeat. A
+degraded worker keeps its lease and heartbeats (it is alive) but pulls nothing
 (`services.runtime.taskloop`); the router sends it nothing and the reaper moves what waits on
 its queue.
 """
@@ -88,13 +89,28 @@ class BackendProbe:
         served: Callable[[], list[tuple[str, bool]]],
         first_token_s: float,
         progress_s: float,
+        canonical: Callable[[str], str] = str,
     ) -> None:
         self.backend = backend
         self.policy = policy
         self.served = served  # (name as the backend serves it, embedding-only?) per model
+        self.canonical = canonical  # the name routing uses, for a served name
         self.first_token_s = first_token_s
         self.progress_s = progress_s
         self.health: Health = health.start(time.time())
+        # The models the backend holds in memory, by served name (None: not known), and
+        # whether to ask it again before the next task.
+        self._resident: frozenset[str] | None = None
+        self._reread = False
+
+    @property
+    def resident(self) -> list[str] | None:
+        """The served models the backend holds in memory, by the names routing uses; None
+        when the backend cannot say (or did not answer)."""
+        if self._resident is None:
+            return None
+        held = self._resident
+        return sorted({self.canonical(name) for name, _ in self.served() if name in held})
 
     def _set(self, after: Health) -> None:
         before, self.health = self.health, after
@@ -110,21 +126,48 @@ class BackendProbe:
         """The models have just passed their sanity runs: healthy from now."""
         self.health = health.start(time.time())
 
-    def task_ended(self, failure: Failure | None) -> None:
-        """Fold in a task's backend call: it worked (None), or how it failed."""
+    def task_ended(
+        self,
+        failure: Failure | None,
+        ran: str | None = None,
+        keep_alive: float | str | None = None,
+    ) -> None:
+        """Fold in a task's backend call: it worked (None), or how it failed; ``ran`` is the
+        model it ran (by served name) with the task's ``keep_alive``."""
         self._set(health.task_ended(self.health, failure, time.time()))
+        if failure is None and ran is not None:
+            self._resident, reread = health.resident_after_task(self._resident, ran, keep_alive)
+            self._reread = self._reread or reread
 
     def due(self) -> bool:
-        """Is a probe due now (`check` would run one)?"""
-        return health.due(self.health, self.policy, time.time()) is not None
+        """Is a probe due now (`check` would run one, or read the models in memory)?"""
+        return self._reread or health.due(self.health, self.policy, time.time()) is not None
 
     async def check(self) -> None:
-        """Run the probe that is due, if any (between tasks only)."""
+        """Run the probe that is due, if any (between tasks only), then read which models
+        the backend holds in memory (a probe may have loaded some)."""
         kind = health.due(self.health, self.policy, time.time())
-        if kind is None:
+        if kind is None and not self._reread:
             return
-        failure = await self._probe(kind)
-        self._set(health.probed(self.health, kind, failure, time.time()))
+        if kind is not None:
+            failure = await self._probe(kind)
+            self._set(health.probed(self.health, kind, failure, time.time()))
+        await self.read_resident()
+
+    async def read_resident(self) -> None:
+        """Ask the backend which models it holds in memory; not known when it cannot say
+        (an OpenAI-compatible server) or does not answer."""
+        self._reread = False
+        try:
+            found = await asyncio.wait_for(
+                self.backend.resident_models(), timeout=self.first_token_s
+            )
+        except (BackendError, TimeoutError) as exc:
+            if self._resident is not None:
+                log.warning("models in memory unknown", backend=self.backend.address, error=exc)
+            self._resident = None
+            return
+        self._resident = None if found is None else frozenset(found)
 
     async def _probe(self, kind: ProbeKind) -> str | None:
         """What is wrong with the backend (None: nothing), by a probe of ``kind``."""

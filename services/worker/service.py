@@ -64,6 +64,7 @@ class Inference:
             served=self.probe_targets,
             first_token_s=settings.first_token_timeout_s,
             progress_s=settings.progress_timeout_s,
+            canonical=self.aliases.canonical,
         )
 
     @property
@@ -198,6 +199,7 @@ class Inference:
         await self.read_facts(discovered)
         self.served = await self.sanity_check(discovered)
         self.probe.restart()
+        await self.probe.read_resident()  # the sanity runs loaded what fits
 
     def serves(self, task: TaskMessage) -> bool:
         """A shared task is for this worker if it has the model with what the task needs."""
@@ -231,7 +233,7 @@ class Inference:
                 retryable=exc.retryable,
                 durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
             )
-        self.probe.task_ended(None)
+        self.probe.task_ended(None, self.backend_name(task.model), task.keep_alive)
         if isinstance(result, Embedding):
             return TaskCompleted(
                 at=time.time(),

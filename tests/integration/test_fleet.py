@@ -7,6 +7,7 @@ import os
 import signal
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 from nats.aio.client import Client
@@ -173,3 +174,87 @@ async def test_a_designated_worker_is_honoured_and_a_stopped_one_is_a_clear_erro
     )
     assert headers["Nats-Service-Error-Code"] == "worker_unavailable"
     assert "'gpu-1' is not live" in body["error"]["message"]
+
+
+async def listed(nc: Client) -> dict[str, dict[str, Any]]:
+    """``coordinator.workers`` by worker id."""
+    body, _ = await request(nc, "coordinator.workers", {})
+    return {w["worker_id"]: w for w in body["workers"]}
+
+
+async def test_a_workers_models_in_memory_follow_its_backends_ps(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    with FakeOllama(models=[MODEL, "gemma3:1b"]) as backend:
+        runner.router(nats_server.url)
+        # No sanity run loads anything; the model list is probed twice a second while idle.
+        runner.worker(
+            nats_server.url,
+            backend.url,
+            "cpu-1",
+            sanity_check=False,
+            health_interval_s=0.5,
+            health_idle_probe_s=0,
+        )
+        await workers_live(nc, 1)
+
+        async def resident(expected: list[str]) -> bool:
+            record = (await registry(nc)).get("cpu-1")
+            shown = (await listed(nc)).get("cpu-1", {})
+            return record is not None and record.resident == shown.get("resident") == expected
+
+        await eventually(lambda: resident([]))  # nothing loaded yet, and the worker says so
+
+        assert (await route(nc))["status"] == "done"
+        await eventually(lambda: resident([MODEL]))  # the task loaded it
+        assert [m["name"] for m in backend_ps(backend)] == [MODEL]
+
+        # Unloaded behind the worker's back: its next probe between tasks sees it.
+        unload = {"model": MODEL, "keep_alive": 0}
+        async with httpx.AsyncClient(base_url=backend.url) as client:
+            assert (await client.post("/api/generate", json=unload)).status_code == 200
+        await eventually(lambda: resident([]), timeout_s=10)
+
+
+def backend_ps(backend: FakeOllama) -> list[dict[str, Any]]:
+    models: list[dict[str, Any]] = httpx.get(f"{backend.url}/api/ps").json()["models"]
+    return models
+
+
+async def test_an_openai_compatible_worker_says_nothing_of_what_is_in_memory(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(
+        nats_server.url,
+        ollama.url,
+        "llama",
+        worker_backend="openai",
+        openai_base_url=f"{ollama.url}/v1",
+        worker_models=[MODEL],
+    )
+    await workers_live(nc, 1)
+    record = (await eventually(lambda: registered(nc)))["llama"]
+    assert (record.models, record.resident) == ([MODEL], None)
+    assert "resident" not in (await listed(nc))["llama"]  # left out, as every unset field
+
+
+async def test_a_task_goes_to_the_worker_that_holds_its_model_in_memory(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    with FakeOllama(models=[MODEL]) as backend_a, FakeOllama(models=[MODEL]) as backend_b:
+        runner.router(nats_server.url)
+        for worker_id, backend in (("a", backend_a), ("b", backend_b)):
+            runner.worker(nats_server.url, backend.url, worker_id, sanity_check=False)
+        await workers_live(nc, 2)
+        assert (await route(nc, worker="b"))["worker"] == "b"  # loads the model on b only
+
+        async def loaded_on_b() -> bool:
+            shown = await listed(nc)
+            return shown["a"].get("resident") == [] and shown["b"].get("resident") == [MODEL]
+
+        await eventually(loaded_on_b)
+        # Both idle: a would need a cold load, b would not (by the smallest id, a would win).
+        reply = await route(nc)
+        assert (reply["status"], reply["worker"]) == ("done", "b")
+        assert backend_a.stats()["generate_calls"] == 0

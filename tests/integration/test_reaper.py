@@ -170,6 +170,9 @@ class WedgedBackend:
     async def model_facts(self, served: list[str]) -> dict[str, ModelFacts]:
         return {}
 
+    async def resident_models(self) -> None:
+        return None
+
     async def aclose(self) -> None:
         pass
 

@@ -36,6 +36,7 @@ from schemas.subjects import EVENTS_STREAM, STATS_CONSUMER, TASK
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.errors import Unavailable
 from services.runtime.settings import StatsSettings
+from services.stats.figures import routing_figure
 from services.stats.projection import TaskState
 from services.stats.rows import TASK_LOCK_SPACE
 from services.stats.service import run
@@ -49,7 +50,12 @@ DURATIONS = Durations(total_ms=9000.0, load_ms=1200.0, prompt_eval_ms=300.0, eva
 
 
 def life_of(
-    task_id: str, *, worker: str = "mac", domain: str | None = "code", ok: bool = True
+    task_id: str,
+    *,
+    worker: str = "mac",
+    domain: str | None = "code",
+    ok: bool = True,
+    load_ms: float = 1200.0,
 ) -> list[TaskEvent]:
     """The events of one task from submission to its end, as router and worker publish them."""
     end: TaskEvent
@@ -63,7 +69,7 @@ def life_of(
             response="four",
             thinking="2 + 2",
             durations=Durations(
-                total_ms=9000.0, load_ms=1200.0, prompt_eval_ms=300.0, eval_ms=7000.0
+                total_ms=9000.0, load_ms=load_ms, prompt_eval_ms=300.0, eval_ms=7000.0
             ),
             tokens=Tokens(prompt=11, eval=42),
         )
@@ -231,6 +237,24 @@ async def test_a_task_is_projected_and_served_on_coordinator_task(
         7800.0,
     )
     assert figures[0].tokens_per_s == 42 / 7.0
+    assert figures[0].cold_load_ms_p50 == 1200.0
+
+
+async def test_the_cold_load_figure_counts_only_the_tasks_that_loaded_the_model(
+    pg_dsn: str,
+) -> None:
+    # Loaded (1.2 s), already in memory (5 ms: Ollama's warm report), loaded (3 s).
+    loads = {"t-cold": 1200.0, "t-warm": 5.0, "t-colder": 3000.0}
+    events = [e for task, load in loads.items() for e in life_of(task, load_ms=load)]
+    async with store_at(pg_dsn) as store:
+        for seq, event in enumerate(events, start=1):
+            assert await store.apply(seq, event)
+        await store.refresh_figures()
+        [figure] = await store.figures()
+
+    assert (figure.load_ms_p50, figure.cold_load_ms_p50) == (1200.0, 2100.0)
+    routing = routing_figure(figure, now=0.0)
+    assert (routing.cold_load_ms, routing.warm_ms) == (2100.0, 9000.0 - 1200.0)
 
 
 async def test_applying_the_same_stream_position_twice_changes_nothing(pg_dsn: str) -> None:

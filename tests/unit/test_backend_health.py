@@ -13,12 +13,12 @@ from schemas.workers import WorkerRecord
 from services.cli.doctor_checks import check_backends
 from services.fleet import health
 from services.fleet.health import Failure, HealthPolicy
-from services.fleet.policy import choose
+from services.fleet.policy import Estimates, choose
 from services.reaper.decisions import Fail, Move, decide
 from services.reaper.detectors import Snapshot, Thresholds, detect
 from services.reaper.view import TaskTrack
 from services.runtime.errors import BackendError, BackendTimeout, NoWorker, WorkerUnavailable
-from services.worker.probe import failure_of, watched
+from services.worker.probe import BackendProbe, failure_of, watched
 
 NOW = 1_000.0
 POLICY = HealthPolicy(interval_s=30.0, idle_probe_s=600.0)
@@ -115,6 +115,93 @@ def test_which_task_failures_degrade() -> None:
     assert unreachable.degrades and unreachable.reason == "backend_unavailable: refused"
 
 
+# -- what the backend holds in memory
+
+
+def test_a_model_that_ran_stays_in_memory_unless_its_keep_alive_unloads_it() -> None:
+    before = frozenset({"a"})
+    assert health.resident_after_task(before, "a", None) == (before, False)
+    assert health.resident_after_task(before, "a", "0s") == (frozenset(), False)
+    # A load may have pushed others out: read the list again before the next task.
+    assert health.resident_after_task(before, "b", "10m") == (frozenset({"a", "b"}), True)
+    assert health.resident_after_task(before, "b", 0) == (before, True)
+    assert health.resident_after_task(None, "a", None) == (None, True)
+
+
+@pytest.mark.parametrize(
+    ("keep_alive", "unloads"),
+    [
+        *[(None, False), (0, True), (0.0, True), (300, False), (-1, False), ("0", True)],
+        *[("0s", True), ("0m0.0s", True), ("5m", False), ("-1m", False), ("10", False)],
+    ],
+)
+def test_which_keep_alive_unloads_at_once(keep_alive: float | str | None, unloads: bool) -> None:
+    assert health.unloads_at_once(keep_alive) is unloads
+
+
+class MemoryBackend:
+    """A backend whose ``/api/ps`` says ``loaded`` (None: it cannot say; an error: down)."""
+
+    address = "memory://test"
+
+    def __init__(self, loaded: list[str] | BackendError | None) -> None:
+        self.loaded = loaded
+        self.asked = 0
+
+    async def list_models(self) -> list[str]:
+        return ["qwen:latest", "b"]
+
+    async def resident_models(self) -> list[str] | None:
+        self.asked += 1
+        if isinstance(self.loaded, BackendError):
+            raise self.loaded
+        return self.loaded
+
+
+def memory_probe(backend: MemoryBackend) -> BackendProbe:
+    return BackendProbe(
+        backend,  # type: ignore[arg-type]  # only what the probe calls between tasks
+        POLICY,
+        served=lambda: [("qwen:latest", False), ("b", False)],
+        first_token_s=1.0,
+        progress_s=1.0,
+        canonical=lambda name: "qwen" if name == "qwen:latest" else name,
+    )
+
+
+async def test_the_probe_reports_the_served_models_in_memory_by_their_routing_names() -> None:
+    backend = MemoryBackend(["qwen:latest", "not-served:1b"])
+    probe = memory_probe(backend)
+    assert [probe.resident] == [None]  # not asked yet
+    await probe.read_resident()
+    assert probe.resident == ["qwen"]
+    assert not probe.due()
+
+    probe.task_ended(None, "b", None)  # b was loaded for the task
+    assert probe.resident == ["b", "qwen"]
+    assert probe.due()  # the load may have pushed qwen out: asked again between tasks
+    backend.loaded = ["b"]
+    await probe.check()
+    assert (probe.resident, probe.due(), backend.asked) == (["b"], False, 2)
+
+    probe.task_ended(None, "b", None)  # already in memory: nothing to ask
+    probe.task_ended(Failure("backend_error: HTTP 400", degrades=False), "qwen:latest")
+    assert probe.resident == ["b"]
+
+
+async def test_a_backend_that_cannot_say_or_fails_to_leaves_it_unknown() -> None:
+    silent = memory_probe(MemoryBackend(None))
+    await silent.read_resident()
+    assert silent.resident is None
+    backend = MemoryBackend(["b"])
+    down = memory_probe(backend)
+    await down.read_resident()
+    assert down.resident == ["b"]
+    backend.loaded = BackendError("Ollama answered /api/ps with HTTP 500")
+    await down.read_resident()
+    assert down.resident is None
+
+
 # -- the first-token and progress timeouts
 
 
@@ -190,7 +277,7 @@ def test_a_request_naming_a_degraded_worker_is_refused_with_the_reason() -> None
 def test_the_shared_queue_does_not_count_on_a_degraded_cpu_worker() -> None:
     # b and c busy; a degraded (pulls nothing) lacks nothing, yet the shared queue is fine.
     fleet = [degraded("a", "n"), worker("b", "m"), worker("c", "m")]
-    decision = choose("m", fleet, depth={"b": 1, "c": 1})
+    decision = choose("m", fleet, estimates=Estimates(queued_ms={"b": [1e3], "c": [1e3]}))
     assert decision.worker_id == "shared"
 
 

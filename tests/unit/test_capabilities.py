@@ -18,7 +18,7 @@ from schemas.models import (
 from schemas.route import ChatMessage, RouteRequest
 from schemas.tasks import WORK_FIELDS, TaskMessage, needs_of, work_of
 from schemas.workers import Capability, WorkerRecord
-from services.fleet.policy import choose, choose_sleeper
+from services.fleet.policy import Estimates, choose, choose_sleeper
 from services.runtime.errors import UnsupportedCapability, WorkerUnavailable
 
 
@@ -157,11 +157,12 @@ def test_a_designated_worker_without_the_capability_is_an_error_naming_it() -> N
 
 def test_the_shared_queue_is_used_only_when_every_cpu_worker_can_take_the_task() -> None:
     fleet = [worker("a", "m", "completion", "tools"), worker("b", "m", "completion", "tools")]
-    busy = {"a": 1, "b": 1}
-    assert choose("m", fleet, depth=busy, needs=("completion", "tools")).queue == "tasks.cpu.shared"
+    busy = Estimates(queued_ms={"a": [1_000.0], "b": [1_000.0]})
+    needs = ("completion", "tools")
+    assert choose("m", fleet, estimates=busy, needs=needs).queue == "tasks.cpu.shared"
     mixed = [*fleet, worker("c", "m", "completion")]
-    busy = {"a": 1, "b": 1, "c": 1}
-    decision = choose("m", mixed, depth=busy, needs=("completion", "tools"))
+    busy = Estimates(queued_ms={"a": [1_000.0], "b": [1_000.0], "c": [1_000.0]})
+    decision = choose("m", mixed, estimates=busy, needs=needs)
     assert decision.queue in ("tasks.cpu.a", "tasks.cpu.b")
 
 

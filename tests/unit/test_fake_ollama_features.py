@@ -8,6 +8,7 @@ import calendar
 import hashlib
 import json
 import math
+import re
 import struct
 import time
 from collections.abc import Iterator
@@ -867,6 +868,13 @@ def test_keep_alive_and_num_ctx_show_in_ps(fake: FakeOllama, client: httpx.Clien
     running = client.get("/api/ps").json()["models"]
     assert [m["name"] for m in running] == [THINKER, "gemma3:1b", "qwen2.5:0.5b"]
     forever, long, short = (unix(m["expires_at"]) for m in running)
+    # As Go's encoder writes a time.Time: nanoseconds with trailing zeros trimmed.
+    for entry in running:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d*[1-9])?Z", entry["expires_at"])
+        assert list(entry) == [
+            "name", "model", "size", "digest", "details", "expires_at", "size_vram",
+            "context_length",
+        ]  # fmt: skip
     assert forever > now + 200 * 365 * 86400
     assert abs(long - (now + 5400)) < 30 and abs(short - (now + 60)) < 30
     assert [m["context_length"] for m in running] == [4096, 2048, 4096]

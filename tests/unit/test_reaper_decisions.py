@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from schemas.workers import WorkerRecord
+from services.fleet.figures import Figure, Figures
 from services.reaper.decisions import Fail, Move, Wait, decide
 from services.reaper.detectors import TaskFinding
 from services.reaper.view import TaskTrack
@@ -69,9 +71,44 @@ def test_any_tier_will_do_and_the_routing_policy_picks_as_the_router_would() -> 
     plan = decide_for(DEAD, task(), [worker("a"), worker("b"), gpu])
     assert isinstance(plan, Move)
     assert plan.decision.worker_id == "mac"
-    busy = decide_for(DEAD, task(), [worker("b"), worker("c")], depth={"b": 3})
+    queued = {"b": Counter({("qwen2.5:7b", "code"): 3})}
+    busy = decide_for(DEAD, task(), [worker("b"), worker("c")], queued=queued)
     assert isinstance(busy, Move)
     assert busy.decision.worker_id == "c"
+
+
+def test_the_move_weighs_queued_work_by_the_stats_figures_as_the_router_does() -> None:
+    figures = Figures()
+    # b has one long task of another model queued, c two short ones: c finishes first.
+    figures.put("gemma3:12b", "general", "b", Figure(typical_ms=20_000.0, recent_failure_rate=0))
+    figures.put("gemma3:1b", "general", "c", Figure(typical_ms=500.0, recent_failure_rate=0))
+    queued = {
+        "b": Counter({("gemma3:12b", "general"): 1}),
+        "c": Counter({("gemma3:1b", "general"): 2}),
+    }
+    other = worker("d", models=["gemma3:1b"])  # so the shared queue is no option
+    fleet = [worker("b"), worker("c"), other]
+    plan = decide_for(DEAD, task(domain="code"), fleet, figures=figures, queued=queued)
+    assert isinstance(plan, Move)
+    assert (plan.decision.worker_id, plan.domain) == ("c", "code")
+    # The model in memory on b only, and loading it on c costs more than b's queue.
+    cold = Figure(typical_ms=1_000.0, recent_failure_rate=0, cold_load_ms=30_000.0)
+    figures.put("qwen2.5:7b", "code", "c", cold)
+    fleet = [worker("b", resident=["gemma3:12b", "qwen2.5:7b"]), worker("c", resident=[]), other]
+    plan = decide_for(DEAD, task(domain="code"), fleet, figures=figures, queued=queued)
+    assert isinstance(plan, Move)
+    assert plan.decision.worker_id == "b"
+
+
+def test_the_move_keeps_the_gpu_preference_factor() -> None:
+    gpu = worker("mac", supports=("gpu_inference",))
+    queued = {"mac": Counter({("qwen2.5:7b", None): 3})}  # 4 s to finish there, 1 s on b
+    plan = decide_for(DEAD, task(), [gpu, worker("b")], queued=queued, gpu_preference=5.0)
+    assert isinstance(plan, Move)
+    assert plan.decision.worker_id == "mac"
+    plan = decide_for(DEAD, task(), [gpu, worker("b")], queued=queued, gpu_preference=3.0)
+    assert isinstance(plan, Move)
+    assert plan.decision.worker_id == "b"
 
 
 def test_without_another_worker_it_fails_as_a_single_point_of_failure() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import reduce
 
 from schemas.events import (
@@ -36,8 +37,11 @@ def submitted(at: float = 0.0, task_type: str = "inference") -> TaskSubmitted:
     )
 
 
-def routed(attempt: int, worker: str = "a", at: float = 1.0) -> TaskRouted:
-    return TaskRouted(at=at, task_id=T, attempt=attempt, worker=worker, queue=f"tasks.cpu.{worker}")
+def routed(
+    attempt: int, worker: str = "a", at: float = 1.0, domain: str | None = None
+) -> TaskRouted:
+    queue = f"tasks.cpu.{worker}"
+    return TaskRouted(at=at, task_id=T, attempt=attempt, worker=worker, queue=queue, domain=domain)
 
 
 def started(attempt: int, worker: str = "a", at: float = 2.0) -> TaskStarted:
@@ -167,13 +171,14 @@ def test_crowded_counts_looks_in_a_row_with_more_than_one_pull_waiting_and_none_
     )
 
 
-def test_the_view_forgets_ended_tasks_and_counts_depth_per_worker() -> None:
+def test_the_view_forgets_ended_tasks_and_counts_open_ones_per_worker() -> None:
     view = ReaperView()
-    for event in (submitted(), routed(1), started(1)):
+    for event in (submitted(), routed(1, domain="code"), started(1)):
         view.apply(event)
-    assert view.depth() == {"a": 1}
+    # By model and domain: what the routing policy weighs a move by.
+    assert view.queued() == {"a": Counter({("m", "code"): 1})}
     view.apply(completed(1, at=10.0))
-    assert view.depth() == {}
+    assert view.queued() == {}
     view.prune(now=10.0 + 3599)
     assert T in view.tasks
     view.prune(now=10.0 + 3601)

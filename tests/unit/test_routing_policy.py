@@ -6,12 +6,22 @@ import pytest
 
 from schemas.workers import Capability, WorkerRecord
 from services.fleet.liveness import live
-from services.fleet.policy import choose, choose_web
+from services.fleet.policy import (
+    PRIOR_COLD_LOAD_MS,
+    Estimates,
+    choose,
+    choose_web,
+    expected_completion_ms,
+)
 from services.runtime.errors import NoWorker, WorkerUnavailable
 
 
 def worker(
-    worker_id: str, *models: str, gpu: bool = False, heartbeat_at: float = 100.0
+    worker_id: str,
+    *models: str,
+    gpu: bool = False,
+    heartbeat_at: float = 100.0,
+    resident: list[str] | None = None,
 ) -> WorkerRecord:
     supports: list[Capability] = ["gpu_inference"] if gpu else ["cpu_inference"]
     return WorkerRecord(
@@ -24,7 +34,13 @@ def worker(
         models=list(models),
         started_at=0.0,
         heartbeat_at=heartbeat_at,
+        resident=resident,
     )
+
+
+def busy(**tasks: int) -> Estimates:
+    """``tasks`` queued per worker, each of the prior typical duration (1 s)."""
+    return Estimates(queued_ms={w: [1_000.0] * n for w, n in tasks.items()})
 
 
 def test_a_model_goes_to_a_gpu_worker_when_one_is_live_with_it() -> None:
@@ -42,47 +58,199 @@ def test_the_same_model_falls_back_to_a_cpu_worker_when_no_gpu_worker_has_it() -
 
 def test_models_outside_gpu_models_go_to_the_least_loaded_worker_of_any_tier() -> None:
     fleet = [worker("cpu-a", "gemma3:1b"), worker("mac", "gemma3:1b", gpu=True)]
-    decision = choose("gemma3:1b", fleet, gpu_models=["qwen3:8b"], depth={"mac": 2})
+    decision = choose("gemma3:1b", fleet, gpu_models=["qwen3:8b"], estimates=busy(mac=2))
     assert decision.worker_id == "cpu-a"
 
 
 def test_among_equals_the_least_loaded_wins_and_ties_go_to_the_smallest_id() -> None:
     fleet = [worker("b", "m", gpu=True), worker("a", "m", gpu=True), worker("c", "m", gpu=True)]
     assert choose("m", fleet).worker_id == "a"
-    assert choose("m", fleet, depth={"a": 1}).worker_id == "b"
-    assert choose("m", fleet, depth={"a": 1, "b": 1, "c": 1}).worker_id == "a"
+    assert choose("m", fleet, estimates=busy(a=1)).worker_id == "b"
+    assert choose("m", fleet, estimates=busy(a=1, b=1, c=1)).worker_id == "a"
 
 
 def test_a_slower_worker_gets_the_task_when_the_faster_one_is_loaded_enough() -> None:
     fleet = [worker("fast", "m", gpu=True), worker("slow", "m", gpu=True)]
     typical = {"fast": 1_000.0, "slow": 2_500.0}
-    assert choose("m", fleet, typical_ms=typical, depth={"fast": 1}).worker_id == "fast"
-    assert choose("m", fleet, typical_ms=typical, depth={"fast": 2}).worker_id == "slow"
+    once = Estimates(typical_ms=typical, queued_ms={"fast": [1_000.0]})
+    twice = Estimates(typical_ms=typical, queued_ms={"fast": [1_000.0, 1_000.0]})
+    assert choose("m", fleet, estimates=once).worker_id == "fast"
+    assert choose("m", fleet, estimates=twice).worker_id == "slow"
 
 
 def test_a_worker_that_fails_often_is_avoided_but_not_banished() -> None:
     fleet = [worker("flaky", "m", gpu=True), worker("steady", "m", gpu=True)]
-    rates = {"flaky": 0.5}
-    assert choose("m", fleet, failure_rate=rates).worker_id == "steady"
-    assert choose("m", fleet, failure_rate={"flaky": 1.0}, depth={"steady": 12}).worker_id == (
-        "flaky"
+    assert choose("m", fleet, estimates=Estimates(failure_rate={"flaky": 0.5})).worker_id == (
+        "steady"
     )
+    banished = Estimates(failure_rate={"flaky": 1.0}, queued_ms={"steady": [1_000.0] * 12})
+    assert choose("m", fleet, estimates=banished).worker_id == "flaky"
+
+
+# -- the work queued ahead, in time
+
+
+def test_the_work_ahead_counts_in_time_not_in_tasks() -> None:
+    fleet = [worker("a", "m", gpu=True), worker("b", "m", gpu=True)]
+    # a has one long task ahead (a 12b model's 30 s), b three short ones (1 s each).
+    ahead = Estimates(queued_ms={"a": [30_000.0], "b": [1_000.0, 1_000.0, 1_000.0]})
+    decision = choose("m", fleet, estimates=ahead)
+    assert decision.worker_id == "b"
+    assert expected_completion_ms(fleet[0], "m", ahead) == 31_000.0
+    assert expected_completion_ms(fleet[1], "m", ahead) == 4_000.0
+
+
+# -- a cold load counted where the model is not in memory
+
+
+def test_a_worker_without_the_model_in_memory_counts_its_cold_load() -> None:
+    warm = worker("b", "m", gpu=True, resident=["m"])
+    cold = worker("a", "m", gpu=True, resident=["other"])
+    known = Estimates(
+        typical_ms={"a": 3_000.0, "b": 3_000.0},
+        warm_ms={"a": 1_000.0, "b": 1_000.0},
+        cold_load_ms={"a": 4_000.0},
+        queued_ms={"b": [2_000.0]},
+    )
+    assert expected_completion_ms(cold, "m", known) == 5_000.0  # warm run + its cold load
+    assert expected_completion_ms(warm, "m", known) == 3_000.0  # its queue + a warm run
+    assert choose("m", [cold, warm], estimates=known).worker_id == "b"
+    # Without a figure the prior applies, and a short queue beats it too.
+    assert expected_completion_ms(cold, "m", Estimates()) == 1_000.0 + PRIOR_COLD_LOAD_MS
+
+
+def test_the_models_loaded_for_the_tasks_ahead_count_and_may_push_the_model_out() -> None:
+    w = worker("a", "m", "big", "small", gpu=True, resident=["m", "small"])
+    known = Estimates(
+        warm_ms={"a": 1_000.0},
+        cold_load_ms={"a": 4_000.0},
+        queued_ms={"a": [10_000.0, 10_000.0, 500.0]},
+        queued_loads={"a": {"big": 6_000.0, "small": 2_000.0}},
+    )
+    # Two tasks of big ahead load it once (6 s); small is in memory; m may be pushed out.
+    assert expected_completion_ms(w, "m", known) == 20_500.0 + 6_000.0 + 1_000.0 + 4_000.0
+    # Nothing to load ahead: m stays in memory.
+    light = Estimates(
+        warm_ms={"a": 1_000.0}, queued_ms={"a": [500.0]}, queued_loads={"a": {"small": 2e3}}
+    )
+    assert expected_completion_ms(w, "m", light) == 1_500.0
+
+
+def test_a_task_of_the_same_model_ahead_loads_it_for_this_one() -> None:
+    w = worker("a", "m", gpu=True, resident=[])
+    known = Estimates(
+        warm_ms={"a": 1_000.0},
+        cold_load_ms={"a": 4_000.0},
+        queued_ms={"a": [1_000.0]},
+        queued_loads={"a": {"m": 4_000.0}},
+    )
+    assert expected_completion_ms(w, "m", known) == 1_000.0 + 4_000.0 + 1_000.0
+
+
+def test_the_model_a_worker_is_running_counts_as_in_memory() -> None:
+    # Its heartbeat says what it runs: loaded, though its last /api/ps predates it.
+    w = worker("a", "m", gpu=True, resident=[]).__replace__(state="busy", current_model="m")
+    known = Estimates(
+        warm_ms={"a": 1_000.0},
+        cold_load_ms={"a": 4_000.0},
+        queued_ms={"a": [1_000.0]},
+        queued_loads={"a": {"m": 4_000.0}},
+    )
+    assert expected_completion_ms(w, "m", known) == 2_000.0
+
+
+def test_a_worker_that_does_not_say_what_is_in_memory_counts_no_cold_load() -> None:
+    silent = worker("a", "m", gpu=True)  # resident None: an OpenAI-compatible backend
+    known = Estimates(typical_ms={"a": 3_000.0}, warm_ms={"a": 1_000.0}, cold_load_ms={"a": 9e3})
+    assert expected_completion_ms(silent, "m", known) == 3_000.0  # its typical: loads included
+
+
+# -- the GPU preference factor
+
+
+def test_a_gpu_preferred_model_stays_on_the_gpu_while_it_finishes_within_the_factor() -> None:
+    fleet = [worker("cpu-a", "m"), worker("mac", "m", gpu=True)]
+    # The GPU worker finishes in 4 s (three tasks ahead), the idle CPU one in 2 s.
+    loaded = Estimates(
+        typical_ms={"cpu-a": 2_000.0, "mac": 1_000.0}, queued_ms={"mac": [1_000.0] * 3}
+    )
+    decision = choose("m", fleet, estimates=loaded, gpu_preference=2.0)
+    assert (decision.worker_id, decision.reason) == ("mac", "gpu worker live with the model")
+
+
+def test_a_gpu_preferred_model_goes_to_a_cpu_worker_past_the_factor() -> None:
+    fleet = [worker("cpu-a", "m"), worker("mac", "m", gpu=True)]
+    # The GPU worker finishes in 5 s (four tasks ahead): over twice the CPU worker's 2 s.
+    loaded = Estimates(
+        typical_ms={"cpu-a": 2_000.0, "mac": 1_000.0}, queued_ms={"mac": [1_000.0] * 4}
+    )
+    decision = choose("m", fleet, estimates=loaded, gpu_preference=2.0)
+    assert (decision.worker_id, decision.queue) == ("cpu-a", "tasks.cpu.cpu-a")
+    assert decision.reason == (
+        "gpu workers busy: the best would finish in 5000 ms, over 2x the best cpu worker's 2000 ms"
+    )
+    # A larger factor keeps it on the GPU; an infinite one always does (the old rule).
+    assert choose("m", fleet, estimates=loaded, gpu_preference=3.0).worker_id == "mac"
+    assert choose("m", fleet, estimates=loaded, gpu_preference=float("inf")).worker_id == "mac"
+
+
+def test_the_factor_compares_the_best_of_each_tier() -> None:
+    fleet = [
+        worker("cpu-a", "m"),
+        worker("cpu-b", "m"),
+        worker("mac", "m", gpu=True),
+        worker("pc", "m", gpu=True),
+    ]
+    # Best GPU: pc, 3 s; best CPU: cpu-b, 1 s; 3 s is over 2 × 1 s.
+    loaded = Estimates(
+        typical_ms={"cpu-a": 5_000.0, "cpu-b": 1_000.0, "mac": 1_000.0, "pc": 1_000.0},
+        queued_ms={"mac": [4_000.0], "pc": [2_000.0]},
+    )
+    assert choose("m", fleet, estimates=loaded).worker_id == "cpu-b"
+    assert choose("m", fleet, estimates=loaded, gpu_preference=3.0).worker_id == "pc"
+
+
+def test_models_outside_gpu_models_take_no_factor() -> None:
+    fleet = [worker("cpu-a", "m"), worker("mac", "m", gpu=True)]
+    loaded = Estimates(typical_ms={"cpu-a": 1_500.0, "mac": 1_000.0})
+    assert choose("m", fleet, gpu_models=["other"], estimates=loaded).worker_id == "mac"
+    assert choose("m", fleet, estimates=loaded).worker_id == "mac"
+
+
+# -- the shared CPU queue
 
 
 def test_when_every_cpu_worker_is_busy_the_task_goes_to_the_shared_cpu_queue() -> None:
     fleet = [worker("a", "m"), worker("b", "m")]
-    decision = choose("m", fleet, depth={"a": 1, "b": 2})
+    decision = choose("m", fleet, estimates=busy(a=1, b=2))
     assert (decision.worker_id, decision.queue) == ("shared", "tasks.cpu.shared")
-    assert choose("m", fleet, depth={"a": 1}).worker_id == "b"
+    assert choose("m", fleet, estimates=busy(a=1)).worker_id == "b"
+
+
+def test_a_gpu_preferred_task_sent_to_busy_cpu_workers_goes_to_the_shared_queue() -> None:
+    fleet = [worker("a", "m"), worker("b", "m"), worker("mac", "m", gpu=True)]
+    decision = choose("m", fleet, estimates=busy(a=1, b=1, mac=9))
+    assert decision.queue == "tasks.cpu.shared"
 
 
 def test_the_shared_queue_is_not_used_when_some_cpu_worker_lacks_the_model() -> None:
     fleet = [worker("a", "m"), worker("b", "m"), worker("c", "other")]
-    assert choose("m", fleet, depth={"a": 1, "b": 1}).worker_id == "a"
+    assert choose("m", fleet, estimates=busy(a=1, b=1)).worker_id == "a"
+
+
+def test_the_shared_queues_tasks_count_as_work_ahead_of_every_cpu_worker() -> None:
+    fleet = [worker("cpu-a", "m"), worker("cpu-b", "other"), worker("mac", "m", gpu=True)]
+    # The GPU worker finishes in 4 s, the idle CPU one in 1 s: over twice as late.
+    idle = Estimates(queued_ms={"mac": [1_000.0] * 3})
+    assert choose("m", fleet, estimates=idle).worker_id == "cpu-a"
+    # 10 s on the shared queue, shared by the two CPU workers: cpu-a's share makes it 6 s.
+    backlog = Estimates(queued_ms={"mac": [1_000.0] * 3, "shared": [5_000.0, 5_000.0]})
+    assert expected_completion_ms(fleet[0], "m", backlog, shared_ms=5_000.0) == 6_000.0
+    assert choose("m", fleet, estimates=backlog).worker_id == "mac"
 
 
 def test_a_lone_busy_cpu_worker_keeps_its_own_queue() -> None:
-    assert choose("m", [worker("a", "m")], depth={"a": 3}).queue == "tasks.cpu.a"
+    assert choose("m", [worker("a", "m")], estimates=busy(a=3)).queue == "tasks.cpu.a"
 
 
 def test_no_live_worker_with_the_model_is_an_error_naming_the_model() -> None:

@@ -3,7 +3,12 @@ from __future__ import annotations
 import pytest
 
 from services.runtime.errors import ConfigError
-from services.runtime.settings import RouterSettings, StatsSettings, WorkerSettings
+from services.runtime.settings import (
+    ReaperSettings,
+    RouterSettings,
+    StatsSettings,
+    WorkerSettings,
+)
 
 
 def test_defaults_apply_when_the_environment_is_empty() -> None:
@@ -58,3 +63,15 @@ def test_no_route_to_host_on_macos_names_the_local_network_permission() -> None:
     assert "desktop session" in hint
     assert local_network_hint(65, "linux") == ""  # errno 65 is another error on Linux
     assert local_network_hint(61, "darwin") == ""  # connection refused: no hint
+
+
+@pytest.mark.parametrize("settings", [RouterSettings, ReaperSettings])
+def test_gpu_preference_is_a_factor_of_at_least_one(
+    settings: type[RouterSettings] | type[ReaperSettings],
+) -> None:
+    assert settings.from_env({}).gpu_preference == 2.0
+    assert settings.from_env({"GPU_PREFERENCE": "3.5"}).gpu_preference == 3.5
+    assert settings.from_env({"GPU_PREFERENCE": "inf"}).gpu_preference == float("inf")
+    for bad in ("0.5", "-2", "nan", "twice"):
+        with pytest.raises(ConfigError, match="GPU_PREFERENCE"):
+            settings.from_env({"GPU_PREFERENCE": bad})

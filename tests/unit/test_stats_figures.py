@@ -54,6 +54,8 @@ def figure(**changes: object) -> FigureView:
         "p50_ms": 900.0,
         "p95_ms": 2000.0,
         "load_ms_p50": 40.0,
+        "cold_load_ms_p50": 3500.0,
+        "warm_p50_ms": 860.0,
         "tokens_per_s": 55.5,
         "quality_mean": 0.8,
         "quality_count": 4,
@@ -82,6 +84,8 @@ def test_the_routing_figure_carries_typical_duration_and_recent_failure_rate() -
         quality_count=4,
         last_at=1000.0,
         updated_at=1234.0,
+        warm_ms=860.0,
+        cold_load_ms=3500.0,
     )
 
 
