@@ -85,7 +85,9 @@ reports how many generations were asked for and how many ran at once (``generate
 ``chat_calls``, ``openai_calls`` for ``/v1/chat/completions`` and ``/v1/completions``,
 ``embed_calls`` for the three embedding endpoints, ``concurrent_max``, ``in_flight``, plus
 ``connections`` opened, generations ``cancelled`` because the client hung up and
-``last_images``); ``GET /_fake/last`` (``FakeOllama.last()``) gives the last request body
+``last_images``); ``GET /_fake/calls`` (``{"calls": FakeOllama.calls()}``) lists every
+call with the wall-clock times it began and ended, so a test can tell whether generations on
+two stand-ins overlapped; ``GET /_fake/last`` (``FakeOllama.last()``) gives the last request body
 received by each API (``last_chat``, ``last_generate``, ``last_embed`` for ``/api/embed`` and
 ``/api/embeddings``, ``last_embeddings`` for ``/api/embeddings`` alone, ``last_openai`` for any
 ``/v1`` POST), as parsed, even when it was refused, so that tests can check ``options``,
@@ -294,11 +296,7 @@ class _ApiError(Exception):
 
 def _now() -> str:
     """The current UTC time as Go's RFC 3339 with nanoseconds (trailing zeros trimmed)."""
-    ns = time.time_ns()
-    seconds, fraction = divmod(ns, 1_000_000_000)
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
-    digits = f"{fraction:09d}".rstrip("0")
-    return f"{stamp}.{digits}Z" if digits else f"{stamp}Z"
+    return _timestamp(time.time_ns())
 
 
 def _normalize(name: str) -> str:
@@ -1239,6 +1237,10 @@ class FakeOllama:
         self._cancelled_calls = 0
         self._last_images = 0
         self._last: dict[str, Any] = dict.fromkeys(_LAST)
+        # Every call's time in flight, wall clock, by call number: (api, started_at, ended_at
+        # or None while it runs).
+        self._calls: dict[int, tuple[str, float, float | None]] = {}
+        self._call_numbers = itertools.count()
         # normalized name -> (expiry as time.time_ns(), num_ctx)
         self._loaded: dict[str, tuple[int, int]] = {}
         self._connections: set[socket.socket] = set()
@@ -1336,6 +1338,16 @@ class FakeOllama:
                 "last_images": self._last_images,
             }
 
+    def calls(self) -> list[dict[str, Any]]:
+        """Every call since the last reset, in the order they began: ``api``, ``started_at``
+        and ``ended_at`` (wall-clock seconds; None while it runs), so that tests on several
+        stand-ins, in several processes, can tell whether two generations overlapped."""
+        with self._lock:
+            return [
+                {"api": api, "started_at": started, "ended_at": ended}
+                for api, started, ended in self._calls.values()
+            ]
+
     def last(self, api: str | None = None) -> Any:
         """The last request body each API received, as parsed (None before the first):
         ``{"last_chat", "last_generate", "last_embed", "last_embeddings", "last_openai"}``, or,
@@ -1361,6 +1373,7 @@ class FakeOllama:
             self._cancelled_calls = 0
             self._last_images = 0
             self._last = dict.fromkeys(_LAST)
+            self._calls = {n: call for n, call in self._calls.items() if call[2] is None}
             self._loaded.clear()
         self._apply_defaults()
 
@@ -1482,6 +1495,8 @@ class FakeOllama:
                 self._generate_calls += 1
             self._in_flight += 1
             self._concurrent_max = max(self._concurrent_max, self._in_flight)
+            number = next(self._call_numbers)
+            self._calls[number] = (api, time.time(), None)
         released = False
 
         def release() -> None:
@@ -1490,6 +1505,8 @@ class FakeOllama:
                 if not released:
                     released = True
                     self._in_flight -= 1
+                    if number in self._calls:
+                        self._calls[number] = (api, self._calls[number][1], time.time())
 
         try:
             yield release
@@ -1537,9 +1554,12 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 
 def _timestamp(ns: int) -> str:
+    """A Go ``time.Time`` in UTC as its JSON encoder writes it (RFC 3339 with nanoseconds,
+    trailing zeros trimmed, no fraction at all when it is zero)."""
     seconds, fraction = divmod(ns, 1_000_000_000)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
-    return f"{stamp}.{fraction:09d}Z"
+    digits = f"{fraction:09d}".rstrip("0")
+    return f"{stamp}.{digits}Z" if digits else f"{stamp}Z"
 
 
 # --------------------------------------------------------------------------- HTTP handler
@@ -1657,6 +1677,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._openai_embeddings(raw)
         elif method == "GET" and path == "/_fake/stats":
             self._send_json(200, self._fake.stats())
+        elif method == "GET" and path == "/_fake/calls":
+            self._send_json(200, {"calls": self._fake.calls()})
         elif method == "GET" and path == "/_fake/last":
             self._send_json(200, self._fake.last())
         elif method == "GET" and path == "/_fake/config":

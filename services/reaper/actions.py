@@ -6,7 +6,9 @@ Moving attempt N to attempt N+1, in this order:
    messages), so the new message is the task as the client asked for it;
 2. ``routed`` (attempt N+1) is stored: the fence. From now on a worker holding a copy of
    attempt N finds a newer attempt routed and drops it unrun (``services/worker``), and the
-   router and the stats projection count only attempt N+1's outcome;
+   router and the stats projection count only attempt N+1's outcome; a cancel notice for
+   attempts up to N goes out, so a worker still generating one (a worker judged dead that
+   is not, a stuck one) stops it instead of running beside attempt N+1;
 3. every copy of attempts up to N still in ``TASKS`` is deleted, so none can run later (a copy
    in flight on a dead worker is deleted too: its consumer will not redeliver it, and the
    server frees that worker's one-task slot at once);
@@ -27,6 +29,7 @@ from collections.abc import Iterable
 
 import msgspec
 import structlog
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
@@ -38,7 +41,8 @@ from schemas.events import (
     encoder,
     task_event_decoder,
 )
-from schemas.subjects import TASKS_STREAM, task_event
+from schemas.route import CancelNotice
+from schemas.subjects import TASKS_STREAM, cancel_notice, task_event
 from schemas.tasks import TaskMessage, work_of
 from services.reaper.decisions import Fail, Move
 from services.reaper.detectors import DuplicateFinding
@@ -103,7 +107,8 @@ def copies_up_to(index: QueueIndex, task_id: str, attempt: int) -> list[int]:
 class Actions:
     """Writes to the bus on the reaper's behalf."""
 
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, nc: Client, js: JetStreamContext) -> None:
+        self.nc = nc
         self.js = js
 
     async def submission(self, task_id: str) -> TaskSubmitted:
@@ -127,9 +132,17 @@ class Actions:
                 worker=decision.worker_id,
                 queue=decision.queue,
                 reason=move.reason,
+                model=submitted.model,
+                domain=move.domain,
             ),
             msg_id=routed_msg_id(move.task_id, move.attempt),
         )
+        notice = CancelNotice(
+            task_id=move.task_id,
+            reason=f"moved on as attempt {move.attempt} ({move.reason})",
+            up_to_attempt=move.attempt - 1,
+        )
+        await self.nc.publish(cancel_notice(move.task_id), encoder.encode(notice))
         await self.remove(copies)
         message = TaskMessage(
             task_id=move.task_id,

@@ -9,9 +9,11 @@ A duplicate worker is reported (an event and an error log) at most every `DUPLIC
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Awaitable, Iterable
 
 import structlog
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from schemas.events import TaskCompleted, TaskFailed
@@ -37,11 +39,11 @@ PARALLEL_ACTIONS = 8
 class FindingHandler:
     """Acts on findings against ``view``, and counts what it did (moved, failed, duplicates)."""
 
-    def __init__(self, js: JetStreamContext, view: ReaperView, settings: ReaperSettings) -> None:
-        self.js = js
+    def __init__(self, nc: Client, view: ReaperView, settings: ReaperSettings) -> None:
+        self.js: JetStreamContext = nc.jetstream()
         self.view = view
         self.settings = settings
-        self.actions = Actions(js)
+        self.actions = Actions(nc, self.js)
         self._acted: dict[tuple[str, int], float] = {}
         self._reported: dict[str, float] = {}
         self.moved = 0
@@ -78,7 +80,7 @@ class FindingHandler:
         """Decide for every finding (routing one after the other, so moved tasks spread out),
         then carry the decisions out a few at a time. While ``settling`` (the registry is
         being read again), a task no live worker could take is left for a later look."""
-        depth = self.view.depth()
+        queued = self.view.queued()
         plans: list[tuple[TaskFinding, TaskTrack, Move | Fail]] = []
         for finding in findings:
             key = (finding.task_id, finding.attempt)
@@ -93,7 +95,9 @@ class FindingHandler:
                 ttl_s=self.settings.worker_ttl_s,
                 max_attempts=self.settings.max_attempts,
                 gpu_models=self.settings.gpu_models,
-                depth=depth,
+                gpu_preference=self.settings.gpu_preference,
+                figures=self.view.figures,
+                queued=queued,
                 settling=settling,
             )
             if isinstance(plan, Wait):
@@ -106,7 +110,8 @@ class FindingHandler:
                 )
                 continue
             if isinstance(plan, Move):
-                depth[plan.decision.worker_id] = depth.get(plan.decision.worker_id, 0) + 1
+                work = (task.model or None, plan.domain)
+                queued.setdefault(plan.decision.worker_id, Counter())[work] += 1
             self._acted[key] = now
             plans.append((finding, task, plan))
         if not plans:

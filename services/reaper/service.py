@@ -24,7 +24,7 @@ from nats.js import JetStreamContext
 from nats.micro import add_service
 from nats.micro.service import Service
 
-from schemas.subjects import ASLEEP_BUCKET, REAPER_SERVICE, REAPER_STATUS
+from schemas.subjects import ASLEEP_BUCKET, REAPER_SERVICE, REAPER_STATUS, STATS_BUCKET
 from services import __version__
 from services.reaper.detectors import Snapshot, Thresholds, detect
 from services.reaper.feeds import Feeds
@@ -55,7 +55,7 @@ class Reaper:
             duplicate_samples=settings.duplicate_samples,
         )
         self.feeds = Feeds(nc, self.js, self.view, settings)
-        self.handler = FindingHandler(self.js, self.view, settings)
+        self.handler = FindingHandler(nc, self.view, settings)
         self.tasks = TaskSet()
         self._service: Service | None = None
 
@@ -63,7 +63,8 @@ class Reaper:
         """Read the registry and the recent event log, then be ready to look."""
         workers = await ensure_streams(self.js, worker_ttl_s=self.settings.worker_ttl_s)
         asleep = await ensure_bucket(self.js, ASLEEP_BUCKET, ttl_s=None)
-        await self.feeds.start(workers, asleep, self.tasks)
+        stats = await ensure_bucket(self.js, STATS_BUCKET, ttl_s=None)
+        await self.feeds.start(workers, asleep, stats, self.tasks)
         # Answers PING (the router waits for retryable failures to move on only while it does)
         # and a status request, for people and `coordinator health`.
         self._service = await add_service(

@@ -1,16 +1,18 @@
 """One attempt's pieces that every kind shares: its outcome when cancelled or too large to
-store, and the publisher of its stream chunks, which sends nothing before the claim."""
+store, the cancel notices a worker remembers, and the publisher of its stream chunks, which
+sends nothing before the claim."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 
 import msgspec
 from nats.aio.client import Client
 
 from schemas.events import Durations, TaskCompleted, TaskFailed
-from schemas.route import CHUNK_HEADER, StreamChunk, ToolCall
+from schemas.route import CHUNK_HEADER, CancelNotice, StreamChunk, ToolCall
 from schemas.subjects import chunk_subject
 from schemas.tasks import TaskMessage
 from services.backends import OnChunk
@@ -20,7 +22,46 @@ from services.runtime.errors import Cancelled, TooLarge
 # checked against the server's max_payload with this much room left.
 OUTCOME_HEADROOM_BYTES = 1024
 
+# Cancel notices kept for tasks this worker may take later (queued ones); oldest forgotten first.
+CANCEL_MEMORY = 1024
+
 _encoder = msgspec.json.Encoder()
+
+
+class CancelMemory:
+    """The cancel notices a worker has heard, by task, so that a task cancelled while queued
+    is not run when it arrives. Pure: no I/O.
+
+    A client's cancel stops every attempt; a move's stops the attempts it replaced, so the
+    new attempt runs even where it lands on the worker that heard the notice. Of two notices
+    for one task the wider is kept."""
+
+    def __init__(self, capacity: int = CANCEL_MEMORY) -> None:
+        self.capacity = capacity
+        self._notices: OrderedDict[str, CancelNotice] = OrderedDict()
+
+    def remember(self, notice: CancelNotice) -> CancelNotice:
+        """Keep ``notice`` (merged with an earlier one for its task); return what is kept."""
+        earlier = self._notices.pop(notice.task_id, None)
+        kept = notice if earlier is None else _wider(earlier, notice)
+        self._notices[notice.task_id] = kept
+        while len(self._notices) > self.capacity:
+            self._notices.popitem(last=False)
+        return kept
+
+    def stopping(self, task_id: str, attempt: int) -> CancelNotice | None:
+        """The notice that stops ``attempt`` of ``task_id``, if one was heard."""
+        notice = self._notices.get(task_id)
+        return notice if notice is not None and notice.stops(attempt) else None
+
+
+def _wider(a: CancelNotice, b: CancelNotice) -> CancelNotice:
+    """Of two notices for one task, the one that stops more attempts (the later on a tie)."""
+    if b.up_to_attempt is None:
+        return b
+    if a.up_to_attempt is None:
+        return a
+    return a if a.up_to_attempt > b.up_to_attempt else b
 
 
 def refused(claimed: asyncio.Future[bool]) -> bool:

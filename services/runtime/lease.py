@@ -21,7 +21,7 @@ from nats.js.kv import KeyValue
 
 from schemas.events import WorkerStopped
 from schemas.workers import WorkerRecord, worker_record_decoder
-from services.fleet.liveness import is_live
+from services.fleet.liveness import in_touch, is_live
 from services.runtime.bus import is_wrong_last_sequence, publish_event
 from services.runtime.errors import DuplicateWorker, LeaseLost
 
@@ -45,12 +45,17 @@ class Lease:
         self.record = record
         self.revision: int | None = None
         self.lost = asyncio.Event()
+        # When the last entry the server stored was written (its ``heartbeat_at``): what every
+        # other service judges this worker's liveness by.
+        self.stored_at: float | None = None
 
     async def acquire(self) -> None:
         """Take the key, or raise `DuplicateWorker` naming the live holder."""
-        value = _encoder.encode(self.record())
+        record = self.record()
+        value = _encoder.encode(record)
         try:
             self.revision = await self.kv.create(self.worker_id, value)
+            self.stored_at = record.heartbeat_at
             return
         except KeyWrongLastSequenceError:
             pass
@@ -67,18 +72,25 @@ class Lease:
             )
         # The holder is gone but its entry has not expired yet: take it over.
         self.revision = await self.kv.update(self.worker_id, value, last=entry.revision)
+        self.stored_at = record.heartbeat_at
 
     async def renew(self) -> None:
         """Refresh the entry; raise `LeaseLost` (and set ``lost``) when another process took it."""
+        record = self.record()
         try:
             self.revision = await self.kv.update(
-                self.worker_id, _encoder.encode(self.record()), last=self.revision
+                self.worker_id, _encoder.encode(record), last=self.revision
             )
+            self.stored_at = record.heartbeat_at
         except (KeyWrongLastSequenceError, NotFoundError) as exc:
             if await self._still_mine():
                 return
             self.lost.set()
             raise LeaseLost(f"lease of worker '{self.worker_id}' lost: {exc}") from exc
+
+    def in_touch(self, now: float, interval_s: float) -> bool:
+        """May this worker go on working (`services.fleet.liveness.in_touch`)?"""
+        return self.stored_at is not None and in_touch(self.stored_at, now, self.ttl_s, interval_s)
 
     async def _still_mine(self) -> bool:
         """After a refused update: hold the key again if nobody else does.
@@ -96,6 +108,7 @@ class Lease:
                 self.revision = await self.kv.create(self.worker_id, _encoder.encode(record))
             except KeyWrongLastSequenceError:
                 return False  # another instance created it first
+            self.stored_at = record.heartbeat_at
             log.warning(
                 "lease entry had expired (bus outage?); taken again", worker_id=self.worker_id
             )
@@ -106,6 +119,7 @@ class Lease:
         self.revision = await self.kv.update(
             self.worker_id, _encoder.encode(record), last=entry.revision
         )
+        self.stored_at = record.heartbeat_at
         return True
 
     async def keep(self, interval_s: float) -> None:

@@ -17,6 +17,9 @@ A kind (inference, web search) says what it serves and what it does with a claim
 - stop: the running task gets ``stop_grace_s``; a kind that can wrap up is then told to
   (``Attempt.cut``) and given ``wrap_up_s`` to record what it has; whatever still runs goes
   back to its queue;
+- out of touch with the bus (no heartbeat stored for nearly a TTL: a partition, an outage):
+  the running task is stopped and held, nothing is pulled until the lease is renewed, and the
+  held task runs again then unless it was moved on meanwhile (`services.runtime.touch`);
 - idle sleep, for kinds with a `SleepPolicy`.
 
 This module is the worker's life (start, pull, stop); one task's way through is
@@ -55,6 +58,7 @@ from services.runtime.pull import pull_one
 from services.runtime.sleep import forget_sleeping, go_to_sleep, watch_idle
 from services.runtime.taskkind import HealthWatch, Kind, LoopSettings
 from services.runtime.taskrun import TaskRunner
+from services.runtime.touch import TOUCH_LOOK_S, Touch
 
 log = structlog.get_logger("taskloop")
 
@@ -65,8 +69,6 @@ _encoder = msgspec.json.Encoder()
 # routed to this worker waits at most this long while the worker looks at a shared queue).
 FIRST_POLL_S = 1.0
 OTHER_POLL_S = 0.2
-# Cancel notices kept for tasks this worker may take later (queued ones); oldest forgotten first.
-CANCEL_MEMORY = 1024
 # How often a degraded worker (which pulls nothing) asks whether a probe is due.
 DEGRADED_LOOK_S = 0.5
 
@@ -95,6 +97,7 @@ class TaskLoop:
         self.started_at = self.runner.last_activity
         self.lease: Lease | None = None
         self.asleep = asyncio.Event()
+        self.touch: Touch | None = None  # once the lease is taken
         self._running: asyncio.Task[bool] | None = None  # what a stop may cancel
         self._cancel_sub: Subscription | None = None
 
@@ -121,6 +124,7 @@ class TaskLoop:
             health=health.status if health is not None else "healthy",
             health_reason=health.reason if health is not None else None,
             health_since=health.since if health is not None else None,
+            resident=self.health.resident if self.health is not None else None,
         )
 
     # -- start and stop ------------------------------------------------------------------------
@@ -176,7 +180,12 @@ class TaskLoop:
             await self.kind.close()
             raise
         assert self.lease is not None
-        background = [asyncio.create_task(self.lease.keep(self.settings.heartbeat_interval_s))]
+        s = self.settings
+        self.touch = Touch(self.lease, self.runner, s.heartbeat_interval_s, s.ack_wait_s)
+        background = [
+            asyncio.create_task(self.lease.keep(s.heartbeat_interval_s)),
+            asyncio.create_task(self.touch.watch(lambda: self._running)),
+        ]
         if self.settings.sleep is not None:
             background.append(
                 asyncio.create_task(
@@ -227,12 +236,22 @@ class TaskLoop:
         task while the shared queue fills.
         """
         lost = self.lease.lost if self.lease is not None else asyncio.Event()
+        touch = self.touch
         usual = [(src, FIRST_POLL_S if i == 0 else OTHER_POLL_S) for i, src in enumerate(sources)]
         after_task = [(src, 0.0) for src in sources] + usual if len(sources) > 1 else usual
         polls = usual
         watch = asyncio.create_task(self._stop_watch(stop))
         try:
             while not (stop.is_set() or lost.is_set() or self.asleep.is_set()):
+                if touch is not None and touch.adrift.is_set():
+                    with suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), timeout=TOUCH_LOOK_S)
+                    continue  # out of touch: nothing pulled until the lease is renewed
+                if touch is not None and touch.parked is not None:
+                    if (held := await touch.take_parked()) is not None:
+                        await self._run_guarded(held, stop)
+                        polls = after_task
+                    continue
                 if not await self._healthy(stop):
                     continue  # degraded: nothing pulled (the reaper moves what waits here)
                 polls_now, polls = polls, usual
@@ -247,6 +266,8 @@ class TaskLoop:
                     break
         finally:
             watch.cancel()
+            if touch is not None:
+                await touch.let_go()
 
     async def _healthy(self, stop: asyncio.Event) -> bool:
         """Between tasks: run the backend probe that is due (stopped by ``stop``); False
@@ -312,11 +333,16 @@ class TaskLoop:
             this = asyncio.current_task()
             if not work.cancelled() or (this is not None and this.cancelling()):
                 raise
+            if self.touch is not None and self.touch.stopping and not stop.is_set():
+                self.touch.park(msg)  # stopped for want of touch with the bus: held
+                return
             with suppress(Exception):  # stopped by `_stop_watch`
                 await msg.nak()
             return
         finally:
             self._running = None
+            if self.touch is not None:
+                self.touch.stopping = False
         if stored:
             try:
                 await msg.ack()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from contextlib import suppress
 
 import msgspec
@@ -23,9 +22,15 @@ from opentelemetry import trace
 from structlog.typing import FilteringBoundLogger
 
 from schemas.events import TaskCompleted, TaskFailed, TaskStarted
-from schemas.route import CancelRequest
+from schemas.route import CancelNotice
 from schemas.tasks import TaskMessage
-from services.runtime.attempts import cancelled, chunk_publisher, fitting, refused
+from services.runtime.attempts import (
+    CancelMemory,
+    cancelled,
+    chunk_publisher,
+    fitting,
+    refused,
+)
 from services.runtime.errors import Cancelled
 from services.runtime.outcomes import KeepAlive, claim, moved_on, store_outcome
 from services.runtime.redelivery import settled
@@ -36,10 +41,7 @@ log = structlog.get_logger("taskloop")
 tracer = trace.get_tracer("coordinator.taskloop")
 
 _task_decoder = msgspec.json.Decoder(TaskMessage)
-_cancel_decoder = msgspec.json.Decoder(CancelRequest)
-
-# Cancel notices kept for tasks this worker may take later (queued ones); oldest forgotten first.
-CANCEL_MEMORY = 1024
+_cancel_decoder = msgspec.json.Decoder(CancelNotice)
 
 
 class TaskRunner:
@@ -54,14 +56,17 @@ class TaskRunner:
         self.settings = settings
         self.registry: KeyValue | None = None  # the workers bucket, once the loop has it
         self.current_task: str | None = None
+        self.current_attempt = 0
         self.current_model: str | None = None
         self.last_activity = time.time()
         self.counts = {"completed": 0, "failed": 0, "cancelled": 0}
         # Set when a stop's grace is over: a kind that can wrap up records what it has.
         self.cut = asyncio.Event()
+        # Set by the loop after it lost touch with the bus: the next task's work waits for its
+        # claim, since its message may have been delivered before a move took it over.
+        self.claim_first = False
         self._work: asyncio.Future[TaskCompleted | TaskFailed] | None = None  # a cancel's
-        # task id -> why it was cancelled, from `CANCEL_NOTICES`.
-        self._cancels: OrderedDict[str, str] = OrderedDict()
+        self._cancels = CancelMemory()  # from `CANCEL_NOTICES`
 
     # -- one task ------------------------------------------------------------------------------
 
@@ -104,32 +109,36 @@ class TaskRunner:
         ):
             return False
         self.current_task = task.task_id
+        self.current_attempt = task.attempt
         self.current_model = task.model
         outcome: TaskCompleted | TaskFailed
         try:
-            if task.task_id in self._cancels:
+            notice = self._cancels.stopping(task.task_id, task.attempt)
+            if notice is not None:
                 # Cancelled while queued: not run, and no outcome for a copy that was moved on.
-                if await moved_on(self.js, task):
+                if notice.up_to_attempt is not None or await moved_on(self.js, task):
                     bound.warning("stale attempt: the task was moved on; dropped unrun")
                     await msg.term()
                     return False
-                outcome = cancelled(
-                    task, self.settings.worker_id, self._cancels.get(task.task_id), None
-                )
+                outcome = cancelled(task, self.settings.worker_id, notice.reason, None)
             else:
                 # The claim and the work go out together: the backend does not wait a round
                 # trip, and a stale copy's work is stopped when its claim is refused. A kind
-                # that never runs a task twice waits for the claim: a stale copy does nothing.
+                # that never runs a task twice waits for the claim: a stale copy does nothing;
+                # so does every kind right after the worker was out of touch with the bus.
                 claimed = asyncio.ensure_future(claim(self.nc, self.js, self._started(task), task))
                 claimed.add_done_callback(self._stop_if_refused)
-                if not self.settings.runs_twice:
+                if not self.settings.runs_twice or self.claim_first:
+                    self.claim_first = False
                     await claimed  # a claim that cannot be stored returns the task
                 try:
                     outcome = await self._attempt(task, msg, claimed, bound)
                     fresh = await claimed
                 finally:
                     claimed.cancel()  # a no-op once done
-                if not fresh:
+                moved = self._cancels.stopping(task.task_id, task.attempt)
+                if not fresh or (moved is not None and moved.up_to_attempt is not None):
+                    # Refused, or stopped by the reaper's notice that it moved the task on.
                     bound.warning("stale attempt: the task was moved on; dropped")
                     await msg.term()
                     return False
@@ -169,9 +178,10 @@ class TaskRunner:
             else None
         )
         started = time.perf_counter()
-        if task.task_id in self._cancels or refused(claimed):
+        notice = self._cancels.stopping(task.task_id, task.attempt)
+        if notice is not None or refused(claimed):
             return cancelled(
-                task, self.settings.worker_id, self._cancels.get(task.task_id), started
+                task, self.settings.worker_id, notice.reason if notice else None, started
             )
         try:
             async with KeepAlive(msg, self.settings.ack_wait_s) as alive:
@@ -184,10 +194,11 @@ class TaskRunner:
             this = asyncio.current_task()
             if this is not None and this.cancelling():
                 raise  # the worker itself is stopping
-            if task.task_id not in self._cancels and not refused(claimed):
+            notice = self._cancels.stopping(task.task_id, task.attempt)
+            if notice is None and not refused(claimed):
                 raise
             return cancelled(
-                task, self.settings.worker_id, self._cancels.get(task.task_id), started
+                task, self.settings.worker_id, notice.reason if notice else None, started
             )  # a stale copy's is never stored
         finally:
             self._work = None
@@ -220,11 +231,11 @@ class TaskRunner:
             notice = _cancel_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        if notice.task_id is None:
-            return  # the router's notices always name the task
-        self._cancels[notice.task_id] = notice.reason or "cancelled by its client"
-        while len(self._cancels) > CANCEL_MEMORY:
-            self._cancels.popitem(last=False)
-        if notice.task_id == self.current_task and self._work is not None:
+        self._cancels.remember(notice)
+        if (
+            notice.task_id == self.current_task
+            and notice.stops(self.current_attempt)
+            and self._work is not None
+        ):
             log.info("cancelling the running task", task_id=notice.task_id, reason=notice.reason)
             self._work.cancel()

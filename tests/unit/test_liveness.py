@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas.workers import WorkerRecord
-from services.fleet.liveness import is_fresh, is_live, live
+from services.fleet.liveness import in_touch, is_fresh, is_live, live
 
 
 def record(worker_id: str, heartbeat_at: float, **fields: Any) -> WorkerRecord:
@@ -33,3 +33,14 @@ def test_a_stopping_worker_is_not_live_however_fresh() -> None:
     assert is_live(running, 100.0, 15.0)
     assert not is_live(stopping, 100.0, 15.0)
     assert live([stopping, running, record("c", 80.0)], 100.0, 15.0) == [running]
+
+
+def test_a_worker_stays_in_touch_until_one_interval_before_its_entry_goes_stale() -> None:
+    # TTL 3 s, heartbeats every 1 s: others judge the entry stale 3 s after it was written,
+    # so the worker stops working 2 s after it, one interval ahead.
+    assert in_touch(100.0, 101.9, ttl_s=3.0, interval_s=1.0)
+    assert not in_touch(100.0, 102.0, ttl_s=3.0, interval_s=1.0)
+    assert not in_touch(100.0, 110.0, ttl_s=3.0, interval_s=1.0)
+    # Always before anyone else may say it is not fresh.
+    for now in (101.0, 101.5, 101.99):
+        assert is_fresh(100.0, now + 1.0, 3.0) == in_touch(100.0, now, 3.0, 1.0)
