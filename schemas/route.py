@@ -219,6 +219,12 @@ class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     normalize: bool = True
     """Embedding: unit-length vectors (``/api/embed``, ``/v1/embeddings``); false for Ollama's
     older ``/api/embeddings``, whose vectors are the model's own."""
+    task_id: str | None = None
+    """The task's id, chosen by the client (None: the router makes one). A request naming a
+    task that was submitted already submits nothing: it is answered as that task (its end,
+    for a client that waits, at once if it has ended; else ``queued``). So a client whose
+    router died, or whose connection dropped, while it waited asks again with the same id
+    and gets the task's outcome. At most 64 letters, digits, ``-`` and ``_``."""
     client: str | None = None
     """The name of the gateway key the request came in with (``coordinator keys``). The
     gateway sets it, overwriting anything an HTTP client sent; None through an open gateway or
@@ -333,6 +339,23 @@ class CancelRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True)
     task_id: str | None = None
     reply_to: str | None = None
     reason: str = ""
+
+
+class CancelNotice(Wire, frozen=True, kw_only=True):
+    """What workers hear on ``coordinator.cancel.<task_id>``: stop this task.
+
+    From the router, for a client's cancel: every attempt (``up_to_attempt`` None). From the
+    reaper, when it moves a task on: the attempts it replaced (``up_to_attempt`` N), so a
+    worker still running one stops, and the new attempt, which may land on the same worker,
+    runs."""
+
+    task_id: str
+    reason: str = ""
+    up_to_attempt: int | None = None
+
+    def stops(self, attempt: int) -> bool:
+        """Does this notice stop ``attempt`` of its task?"""
+        return self.up_to_attempt is None or attempt <= self.up_to_attempt
 
 
 class CancelReply(Wire, frozen=True, kw_only=True):

@@ -1,4 +1,5 @@
-"""Client side of the CLI: finding the stack and connecting to it.
+"""Client side of the CLI: finding the stack, connecting to it, and routing a task that the
+command waits for.
 
 Calling the endpoints (`call`, `stream_call`: an error reply raised as its code's class) is
 `services.runtime.request`.
@@ -6,15 +7,24 @@ Calling the endpoints (`call`, `stream_call`: an error reply raised as its code'
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import sys
 from pathlib import Path
 
+import msgspec
 from nats.aio.client import Client
 
+from schemas.route import RouteReply, RouteRequest
+from schemas.subjects import ROUTE
 from services.runtime.bus import connect
+from services.runtime.logging import setup_logging
+from services.runtime.request import REASK_AFTER_S, new_task_id, stream_call
 
 STACK_FILE = "stack.json"
+
+_reply_decoder = msgspec.json.Decoder(RouteReply)
 
 
 def coordinator_home() -> Path:
@@ -40,3 +50,43 @@ def find_nats_url() -> str:
 
 async def open_client() -> Client:
     return await connect(find_nats_url(), "coordinator-cli", connect_timeout_s=3.0)
+
+
+def route_and_wait(request: RouteRequest, timeout_s: float, *, quiet: bool) -> bytes:
+    """Route ``request`` (it waits), printing a stream's pieces as they arrive (thinking to
+    stderr) unless ``quiet``; returns the final reply's body.
+
+    The request names its task, and is asked again with that id when the router says nothing
+    for `REASK_AFTER_S`: a router that died while the task ran takes its answer with it, and
+    another (or the same one, restarted) answers the task from the event log.
+    """
+    if request.task_id is None:
+        request = msgspec.structs.replace(request, task_id=new_task_id())
+    body = msgspec.json.encode(request)
+
+    async def go() -> bytes:
+        nc = await open_client()
+        final = b""
+        printed = ""
+        try:
+            async for item in stream_call(nc, ROUTE, body, timeout_s, reask_s=REASK_AFTER_S):
+                if isinstance(item, bytes):
+                    final = item
+                elif not quiet:
+                    if item.thinking:
+                        print(item.thinking, end="", file=sys.stderr, flush=True)
+                    if item.response:
+                        print(item.response, end="", flush=True)
+                        printed += item.response
+        finally:
+            await nc.close()
+        if request.stream and not quiet:
+            # Pieces lost with a router that died are in the final reply: print the rest.
+            response = _reply_decoder.decode(final).response or ""
+            if response.startswith(printed):
+                print(response[len(printed) :], end="")
+            print()
+        return final
+
+    setup_logging("error", "console", stream=sys.stderr)
+    return asyncio.run(go())

@@ -18,14 +18,14 @@ import msgspec
 
 from schemas import events, queries, route, stats, tasks, vectors, workers
 from schemas.models import COMPLETION, facts_in
-from schemas.subjects import ROUTE, TASK, WORKERS
+from schemas.subjects import TASK, WORKERS
 from services import __version__
 from services.cli import deploy, doctor, keys, stats_commands
-from services.cli.client import open_client
+from services.cli.client import open_client, route_and_wait
 from services.runtime.errors import ConfigError, CoordinatorError
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.logging import setup_logging
-from services.runtime.request import call, stream_call
+from services.runtime.request import call
 from services.runtime.settings import (
     GatewaySettings,
     ReaperSettings,
@@ -188,31 +188,6 @@ def _request(subject: str, body: bytes, timeout_s: float) -> bytes:
     return asyncio.run(go())
 
 
-def _stream_request(subject: str, body: bytes, timeout_s: float, *, quiet: bool) -> bytes:
-    """Send a streamed request; print the answer's pieces as they arrive (thinking to stderr)."""
-
-    async def go() -> bytes:
-        nc = await open_client()
-        final = b""
-        try:
-            async for item in stream_call(nc, subject, body, timeout_s):
-                if isinstance(item, bytes):
-                    final = item
-                elif not quiet:
-                    if item.thinking:
-                        print(item.thinking, end="", file=sys.stderr, flush=True)
-                    if item.response:
-                        print(item.response, end="", flush=True)
-        finally:
-            await nc.close()
-        if not quiet:
-            print()
-        return final
-
-    setup_logging("error", "console", stream=sys.stderr)
-    return asyncio.run(go())
-
-
 def cmd_ask(args: argparse.Namespace) -> int:
     if not args.model and args.task_type != "web_search":
         print("error bad_usage: --model is required unless --type web_search", file=sys.stderr)
@@ -231,9 +206,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     budget = (args.timeout or 300.0) + 60.0
     if args.stream:
         request = msgspec.structs.replace(request, stream=True)
-        body = _stream_request(ROUTE, _json.encode(request), budget, quiet=args.json)
-    else:
-        body = _request(ROUTE, _json.encode(request), budget)
+    body = route_and_wait(request, budget, quiet=args.json or not args.stream)
     if args.json:
         print(body.decode())
     reply = msgspec.json.decode(body, type=route.RouteReply)
@@ -268,7 +241,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
         wait=True,
         timeout_s=args.timeout,
     )
-    body = _request(ROUTE, _json.encode(request), (args.timeout or 300.0) + 60.0)
+    body = route_and_wait(request, (args.timeout or 300.0) + 60.0, quiet=True)
     if args.json:
         print(body.decode())
     reply = msgspec.json.decode(body, type=route.RouteReply)
@@ -380,6 +353,7 @@ def cmd_schemas_export(args: argparse.Namespace) -> int:
         "ErrorBody": route.ErrorBody,
         "CancelRequest": route.CancelRequest,
         "CancelReply": route.CancelReply,
+        "CancelNotice": route.CancelNotice,
         "TaskMessage": tasks.TaskMessage,
         "TaskEvent": events.TaskEvent,
         "WorkerEvent": events.WorkerEvent,

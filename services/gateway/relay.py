@@ -6,6 +6,11 @@ its handler, or a write fails) has its task cancelled through ``coordinator.canc
 are forwarded as the worker produces them; the HTTP status is decided only when the first
 output (or the end) arrives, so a task that fails before any output still gets a proper error
 status. Every relayed request ends in one ``request`` log line.
+
+Each request names its task (``task_id``, chosen here), so when the router says nothing for
+``GATEWAY_REASK_S`` (it died with the answer, or the connection lost it) the same request is sent
+again: a router answers it as the task it names (`services.router.following`), and a stream
+gets the rest of the answer that its lost pieces held.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client
 
-from schemas.route import CHUNK_HEADER, RouteRequest, StreamChunk
+from schemas.route import CHUNK_HEADER, RouteReply, RouteRequest, StreamChunk
 from schemas.subjects import ROUTE
 from services.gateway.bus import FleetBus, next_msg
 from services.gateway.common import ApiError, Shape
@@ -27,6 +32,7 @@ from services.gateway.responses import JSON, error_response
 from services.gateway.task_api import TaskShape
 from services.runtime.errors import TooLarge, WaitTimeout
 from services.runtime.lifecycle import TaskSet
+from services.runtime.request import new_task_id
 from services.runtime.settings import GatewaySettings
 
 log = structlog.get_logger("gateway")
@@ -59,6 +65,8 @@ class Relay:
         ``shape``. A client that goes away has its task cancelled."""
         started = time.perf_counter()
         stream = route.stream
+        if route.task_id is None:
+            route = msgspec.structs.replace(route, task_id=new_task_id())
         inbox, queue = self.replies.open()
         handed_over = False  # to the task that cancels for a client gone away
         task_id: str | None = None
@@ -79,16 +87,28 @@ class Relay:
                 )
             await self.nc.publish(ROUTE, encoded, reply=inbox)
             wait_s = self._wait_s(route)
+            heard = time.monotonic()
+            sent = Sent()  # what the stream has written of the answer
             while True:
-                msg = await next_msg(queue, wait_s)
+                silent_s = time.monotonic() - heard
+                reask_s = self.settings.gateway_reask_s
+                msg = await next_msg(queue, max(min(wait_s - silent_s, reask_s), 0.001))
                 if msg is None:
-                    raise ApiError(
-                        504, WaitTimeout.code, f"no answer from the router within {wait_s:g} s"
-                    )
+                    if time.monotonic() - heard >= wait_s:
+                        raise ApiError(
+                            504, WaitTimeout.code, f"no answer from the router within {wait_s:g} s"
+                        )
+                    await self._ask_again(route.task_id, encoded, inbox)
+                    sent.asked_again = True
+                    continue
                 headers = msg.headers or {}
+                if sent.asked_again and headers.get("Status") == "503":
+                    continue  # no router just now: the next silence asks again
+                heard = time.monotonic()
                 if CHUNK_HEADER in headers:
                     chunk = _chunk_decoder.decode(msg.data)
                     task_id = chunk.task_id
+                    sent.add(chunk)
                     piece = shape.piece(chunk)
                     if response is None and (piece is not None or shape.start_on_accept):
                         response = await self._start(request, shape, task_id)
@@ -105,6 +125,9 @@ class Relay:
                     )
                 if response is None:
                     response = await self._start(request, shape, task_id)
+                rest = sent.rest(reply)
+                if rest is not None and (piece := shape.piece(rest)) is not None:
+                    await response.write(piece)
                 await response.write(shape.end(reply))
                 await response.write_eof()
                 return response
@@ -135,6 +158,15 @@ class Relay:
                 ms=round((time.perf_counter() - started) * 1000, 2),
             )
 
+    async def _ask_again(self, task_id: str | None, encoded: bytes, inbox: str) -> None:
+        """No word from the router for ``GATEWAY_REASK_S``: the same request again, which a router
+        answers as the task it names (a dead router's answer is lost with it)."""
+        log.info("no word from the router; asking again by task id", task_id=task_id)
+        try:
+            await self.nc.publish(ROUTE, encoded, reply=inbox)
+        except Exception as exc:  # reconnecting: the next silence asks again
+            log.warning("asking again failed", task_id=task_id, error=repr(exc))
+
     async def _start(self, request: web.Request, shape: Shape, task_id: str) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={
@@ -150,3 +182,39 @@ class Relay:
         if route.timeout_s is not None:
             return route.timeout_s + WAIT_MARGIN_S
         return self.settings.gateway_reply_timeout_s
+
+
+class Sent:
+    """What a stream has written of the answer, so that after a request was asked again (its
+    pieces since the router went silent are lost) the final reply's rest can be written."""
+
+    def __init__(self) -> None:
+        self.asked_again = False
+        self.response = ""
+        self.thinking = ""
+        self.tool_calls = 0
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.response += chunk.response
+        self.thinking += chunk.thinking
+        self.tool_calls += len(chunk.tool_calls or ())
+
+    def rest(self, reply: RouteReply) -> StreamChunk | None:
+        """The part of ``reply`` no piece carried, as one piece; None when nothing is missing
+        or the request was never asked again (then every piece came, in order). An answer
+        that does not continue what was written (the task was run again elsewhere) has no
+        rest to give: the end line closes the stream."""
+        if not self.asked_again or reply.status != "done":
+            return None
+        response, thinking = reply.response or "", reply.thinking or ""
+        if not (response.startswith(self.response) and thinking.startswith(self.thinking)):
+            return None
+        calls = (reply.tool_calls or [])[self.tool_calls :]
+        rest = StreamChunk(
+            task_id=reply.task_id,
+            seq=-1,
+            response=response[len(self.response) :],
+            thinking=thinking[len(self.thinking) :],
+            tool_calls=calls or None,
+        )
+        return rest if rest.response or rest.thinking or calls else None

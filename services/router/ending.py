@@ -15,15 +15,16 @@ from services.runtime.outcomes import stored_ends
 
 
 async def wait_for_end(
-    js: JetStreamContext, task_id: str, waiter: Waiter, timeout_s: float
+    js: JetStreamContext, task_id: str, waiter: Waiter, timeout_s: float, *, shared: bool = False
 ) -> TaskCompleted | TaskFailed:
     """The task's outcome as ``waiter`` gets it, or as the stream has it after ``timeout_s``
-    (only what ``waiter`` would take); `WaitTimeout` when it has none."""
+    (only what ``waiter`` would take); `WaitTimeout` when it has none. ``shared``: another
+    request waits on the same waiter, so a timeout here must leave its future alone."""
     try:
         # asyncio.timeout, not wait_for over a shield: three fewer hand-offs through the
         # loop per reply. A timeout cancels the future; nothing settles it afterwards.
         async with asyncio.timeout(timeout_s):
-            return await waiter.future
+            return await (asyncio.shield(waiter.future) if shared else waiter.future)
     except TimeoutError:
         pass
     # The end event may have been missed during a reconnect: ask the stream itself (the

@@ -40,6 +40,8 @@ def routed_event(task: Submission, at: float) -> TaskRouted:
         worker=decision.worker_id,
         queue=decision.queue,
         reason=decision.reason,
+        model=task.request.model,
+        domain=task.plan.domain,
     )
 
 
@@ -104,10 +106,16 @@ def queued_reply(task: Submission) -> RouteReply:
 
 def outcome_reply(task: Submission, outcome: TaskCompleted | TaskFailed) -> RouteReply:
     """The answer to a client that waited: the task's output, or why it failed."""
-    queue = task.decision.queue
+    return ended_reply(task.task_id, task.decision.queue, task.decision.worker_id, outcome)
+
+
+def ended_reply(
+    task_id: str, queue: str, routed_to: str, outcome: TaskCompleted | TaskFailed
+) -> RouteReply:
+    """The answer for a task that ended (``queue``, ``routed_to``: where it was routed)."""
     if isinstance(outcome, TaskCompleted):
         return RouteReply(
-            task_id=task.task_id,
+            task_id=task_id,
             status="done",
             queue=queue,
             worker=outcome.worker,
@@ -125,10 +133,10 @@ def outcome_reply(task: Submission, outcome: TaskCompleted | TaskFailed) -> Rout
         )
     failure = ErrorDetail(code=outcome.code, message=outcome.reason)
     return RouteReply(
-        task_id=task.task_id,
+        task_id=task_id,
         status="failed",
         queue=queue,
-        worker=outcome.worker or task.decision.worker_id,
+        worker=outcome.worker or routed_to,
         error=failure.summary,
         failure=failure,
     )

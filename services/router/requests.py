@@ -6,8 +6,7 @@ instead; nothing here reads the fleet.
 
 from __future__ import annotations
 
-import time
-import uuid
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -32,10 +31,8 @@ TASK_OVERHEAD_BYTES: Final = 4096
 
 _encoder = msgspec.json.Encoder()
 
-
-def new_task_id() -> str:
-    """Time-ordered, unique and safe as a subject token."""
-    return f"{time.time_ns():x}-{uuid.uuid4().hex[:12]}"
+# A client's own task id: a subject token (`new_task_id`'s ids are 30 characters).
+_TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def conversation_chars(request: RouteRequest) -> int:
@@ -106,6 +103,11 @@ def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
             check_token("domain", request.domain)
     except InvalidId as exc:
         raise BadRequest(str(exc)) from None
+    if request.task_id is not None and not _TASK_ID.fullmatch(request.task_id):
+        raise BadRequest(
+            "task_id must be 1 to 64 letters, digits, '-' or '_' (a client's own id for its "
+            f"task), got {request.task_id[:80]!r}"
+        )
     return request
 
 

@@ -34,7 +34,11 @@ from schemas.events import (
     task_event_decoder,
 )
 from schemas.models import resolve_name
-from schemas.route import CHUNK_HEADER, CancelReply, CancelRequest, RouteRequest, StreamChunk
+from schemas.route import (
+    CHUNK_HEADER,
+    RouteRequest,
+    StreamChunk,
+)
 from schemas.subjects import (
     ASLEEP_BUCKET,
     CANCEL,
@@ -42,8 +46,6 @@ from schemas.subjects import (
     ROUTE,
     STATS_BUCKET,
     WORKERS,
-    InvalidId,
-    cancel_notice,
     task_event,
     task_event_source,
 )
@@ -51,24 +53,31 @@ from schemas.tasks import is_retryable
 from services import __version__
 from services.fleet import liveness
 from services.fleet.binding import refusal
+from services.router.cancelling import Canceller
 from services.router.decide import Plan, Submission, decide, submission
 from services.router.ending import wait_for_end
 from services.router.feeds import apply_figure, apply_sleeper
+from services.router.following import Follower, Unsubmitted
 from services.router.listing import Problems, workers_reply
 from services.router.reaper_watch import ReaperWatch
 from services.router.records import outcome_reply, queued_reply
 from services.router.registry import RegistryFeed
 from services.router.relay import ChunkRelay
-from services.router.requests import Admitted, admit, new_task_id, parse_cancel_request
-from services.router.submit import submit
+from services.router.requests import Admitted, admit
+from services.router.submit import AlreadySubmitted, submit
 from services.router.view import FleetView
 from services.router.waiting import Tracking, Waiter
 from services.router.waking import Waker
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import connect, ensure_bucket, ensure_streams
 from services.runtime.endpoints import add_endpoint, reply_subject
-from services.runtime.errors import BadRequest, NotFound, NoWorker, UnsupportedCapability
+from services.runtime.errors import (
+    NoWorker,
+    Unavailable,
+    UnsupportedCapability,
+)
 from services.runtime.lifecycle import TaskSet
+from services.runtime.request import new_task_id
 from services.runtime.settings import RouterSettings
 from services.runtime.watch import follow_bucket
 
@@ -110,6 +119,14 @@ class Router:
         self._problems_sub: Subscription | None = None
         self._chunk_sub: Subscription | None = None
         self.relay = ChunkRelay(nc, self.view.inflight)
+        self.follower = Follower(
+            self.js,
+            self._waiters,
+            self._waiting_on,
+            moves_on=self.reaper.runs,
+            supports=self.supports,
+        )
+        self.canceller = Canceller(nc, self.view.inflight, self._waiters, self._waiting_on)
         self._service: Service | None = None
 
     async def start(self) -> None:
@@ -161,7 +178,7 @@ class Router:
         )
         await add_endpoint(self._service, "route", ROUTE, self.handle_route, self.tasks)
         await add_endpoint(self._service, "workers", WORKERS, self.handle_workers, self.tasks)
-        await add_endpoint(self._service, "cancel", CANCEL, self.handle_cancel, self.tasks)
+        await add_endpoint(self._service, "cancel", CANCEL, self.canceller.handle, self.tasks)
         log.info("router ready", subjects=[ROUTE, WORKERS, CANCEL])
 
     async def stop(self) -> None:
@@ -184,7 +201,7 @@ class Router:
         waiter = self._waiters.get(event.task_id)
         source = task_event_source(msg.subject)
         if isinstance(event, TaskRouted):
-            self.view.routed(event.task_id, event.worker, event.at)
+            self.view.routed(event.task_id, event.worker, event.at, event.model, event.domain)
             if waiter is not None:
                 for refused in await waiter.routed(event.attempt, event.worker):
                     log.warning("outcome refused", task_id=event.task_id, problem=refused)
@@ -242,27 +259,46 @@ class Router:
         )
         return encoder.encode(reply)
 
-    async def handle_route(self, body: bytes) -> bytes:
+    async def handle_route(self, body: bytes) -> bytes | None:
         """Decide where the task goes, submit it, and reply: at once (``queued``), or with
-        its outcome to a client that waits (``wait``, or ``stream`` after the chunks)."""
+        its outcome to a client that waits (``wait``, or ``stream`` after the chunks). A
+        request naming a task already submitted is answered as that task (`Follower`)."""
         admitted = admit(
             body,
             max_prompt_chars=self.settings.max_prompt_chars,
             max_payload=self.nc.max_payload,
             resolve=self.resolve_model,
         )
+        if admitted.routed.task_id is not None:
+            followed = await self._follow(admitted.routed, admitted.routed.task_id)
+            if not isinstance(followed, Unsubmitted):
+                return followed
         now = time.time()
         plan = self._decide(admitted.routed, now)
         task = self._new_task(admitted, plan, now)
-        async with self._tracking(task) as tracking:
-            seq = await self._submit(task, tracking)
-            self._log_routed(task, seq)
-            if tracking.waiter is None:
-                return encoder.encode(queued_reply(task))
-            outcome = await self._wait(task, tracking.waiter)
+        try:
+            async with self._tracking(task) as tracking:
+                seq = await self._submit(task, tracking)
+                self._log_routed(task, seq)
+                if tracking.waiter is None:
+                    return encoder.encode(queued_reply(task))
+                outcome = await self._wait(task, tracking.waiter)
+        except AlreadySubmitted:
+            # Another router took the same request a moment before: its routing stands.
+            followed = await self._follow(admitted.routed, task.task_id)
+            if isinstance(followed, Unsubmitted):
+                raise Unavailable(
+                    f"task {task.task_id} could not be submitted; ask again"
+                ) from None
+            return followed
         return encoder.encode(outcome_reply(task, outcome))
 
-    # -- the steps of a route request ----------------------------------------------------------
+    async def _follow(self, request: RouteRequest, task_id: str) -> bytes | Unsubmitted | None:
+        reply = await self.follower.answer(request, task_id, reply_subject.get())
+        if reply is None or isinstance(reply, Unsubmitted):
+            return reply
+        log.info("followed", task_id=task_id, status=reply.status)
+        return encoder.encode(reply)
 
     def _decide(self, request: RouteRequest, now: float) -> Plan:
         """Where the task goes, by the fleet as the view has it ``now``."""
@@ -278,6 +314,7 @@ class Router:
                 self.view.sleepers.values(),
                 self.view,
                 gpu_models=self.settings.gpu_models,
+                gpu_preference=self.settings.gpu_preference,
             )
         except (NoWorker, UnsupportedCapability) as exc:
             # A refusal for want of a live worker, judged on a view still being re-read, may
@@ -291,7 +328,7 @@ class Router:
 
     def _new_task(self, admitted: Admitted, plan: Plan, now: float) -> Submission:
         return submission(
-            new_task_id(),
+            admitted.routed.task_id or new_task_id(),
             admitted.routed,
             plan,
             asked_model=admitted.asked_model,
@@ -372,27 +409,6 @@ class Router:
         wake_s = self.settings.wake_wait_s if task.plan.waking is not None else 0.0
         budget_s = task.timeout_s + wake_s + WAIT_MARGIN_S
         return await wait_for_end(self.js, task.task_id, waiter, budget_s)
-
-    # -- cancel --------------------------------------------------------------------------------
-
-    async def handle_cancel(self, body: bytes) -> bytes:
-        """Pass a cancel on to the workers: the one running the task stops it, and one that has
-        not taken it yet fails it unrun when it does. Refused for a task no router saw routed
-        or that has ended."""
-        request = parse_cancel_request(body)
-        task_id = request.task_id or self._waiting_on.get(request.reply_to or "")
-        if task_id is None:
-            raise NotFound(f"no route request waits on {request.reply_to} (it was answered)")
-        try:
-            notice = cancel_notice(task_id)
-        except InvalidId as exc:
-            raise BadRequest(str(exc)) from None
-        if task_id not in self.view.inflight and task_id not in self._waiters:
-            raise NotFound(f"task {task_id} is not queued or running (it has ended, or is unknown)")
-        request = CancelRequest(task_id=task_id, reason=request.reason)
-        await self.nc.publish(notice, encoder.encode(request))
-        log.info("cancel requested", task_id=task_id, reason=request.reason)
-        return encoder.encode(CancelReply(task_id=task_id, status="cancelling"))
 
 
 async def run(settings: RouterSettings, stop: asyncio.Event) -> None:

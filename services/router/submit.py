@@ -20,12 +20,14 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from schemas.events import encoder
+from schemas.events import TaskRouted, encoder, task_event_decoder
+from schemas.subjects import task_event
 from services.fleet.policy import Decision
 from services.router.decide import Submission
 from services.router.records import routed_event, submitted_event, task_message, unqueued_failure
 from services.runtime.bus import publish_event
 from services.runtime.errors import Unavailable
+from services.runtime.outcomes import last_on
 from services.runtime.tracing import inject_context
 
 # How long a write caught by a bus outage is tried again, and how often.
@@ -55,8 +57,14 @@ async def through_outage(write: Callable[[], Awaitable[Any]]) -> Any:
         await asyncio.sleep(OUTAGE_RETRY_EVERY_S)
 
 
+class AlreadySubmitted(Exception):
+    """A task of this id was routed by another request (two routers took one request that a
+    client asked twice): its routing stands, and this request follows it."""
+
+
 async def submit(js: JetStreamContext, task: Submission) -> int:
-    """Record and queue the task; returns its message's sequence in ``TASKS``."""
+    """Record and queue the task; returns its message's sequence in ``TASKS``. Raises
+    `AlreadySubmitted` when another request routed a task of this id first."""
     task_id, decision = task.task_id, task.decision
     # Both events go out at once and their acknowledgements are awaited together: one
     # round trip instead of two. One connection keeps their order in EVENTS, and the task
@@ -81,6 +89,8 @@ async def submit(js: JetStreamContext, task: Submission) -> int:
             )
         reason = submitted or type(submitted).__name__
         raise Unavailable(f"could not record the task: {reason}") from submitted
+    if not isinstance(routed, BaseException) and routed.duplicate:
+        await _check_own_routing(js, task_id, routed_at)
     try:
         if isinstance(routed, BaseException):
             raise routed
@@ -93,6 +103,15 @@ async def submit(js: JetStreamContext, task: Submission) -> int:
         await fail_unqueued(js, task_id, decision, reason)
         raise Unavailable(f"task {task_id}: {reason}") from exc
     return int(ack.seq)
+
+
+async def _check_own_routing(js: JetStreamContext, task_id: str, routed_at: float) -> None:
+    """After a ``routed`` the stream took as a duplicate: is the stored one this request's
+    (sent again through an outage), or another request's? Raise `AlreadySubmitted` then."""
+    data = await last_on(js, task_event(task_id, "routed"))
+    stored = task_event_decoder.decode(data) if data is not None else None
+    if not isinstance(stored, TaskRouted) or stored.at != routed_at:
+        raise AlreadySubmitted(task_id)
 
 
 async def fail_unqueued(

@@ -32,7 +32,8 @@ from services.runtime.tracing import extract_context
 log = structlog.get_logger("endpoints")
 tracer = trace.get_tracer("coordinator.endpoints")
 
-Handler = Callable[[bytes], Awaitable[bytes]]
+Handler = Callable[[bytes], Awaitable[bytes | None]]
+"""A request's reply; None: none from this request (another one answers its subject)."""
 
 # The reply subject of the request being handled (each request runs in its own task), for a
 # handler that sends more than one message back, such as a streamed route.
@@ -152,7 +153,7 @@ async def add_endpoint(
                     span.set_status(trace.StatusCode.ERROR, repr(exc))
                 span.set_attribute("coordinator.error_code", code)
             else:
-                if not reply_to:
+                if not reply_to or reply is None:  # None: another request answers this one
                     return
                 try:
                     await request.respond(reply)

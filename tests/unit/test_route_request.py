@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.requests import new_task_id, parse_route_request
+from services.router.requests import parse_route_request
 from services.runtime.errors import BadRequest, PromptTooLarge
+from services.runtime.request import new_task_id
 
 
 def test_a_minimal_request_gets_defaults() -> None:

@@ -1,0 +1,125 @@
+"""A route request that names a task already submitted (`RouteRequest.task_id`): answered as
+that task, never submitted again.
+
+That is how a client gets its answer when the router it asked died while it waited, or its
+connection lost the reply: it asks again with the same id (`services.runtime.request`), and
+whichever router takes the request reads the task from the event log (its ``submitted``, its
+latest ``routed``, its outcome if it has one) and answers: at once for a task that has ended
+or a client that does not wait, else when the task ends, by the same rules as the first
+request (`services.router.waiting`). A router already waiting on that reply subject for the
+task stays silent: its one answer comes at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from nats.js import JetStreamContext
+
+from schemas.events import TaskCompleted, TaskFailed, TaskRouted, TaskSubmitted, task_event_decoder
+from schemas.route import RouteReply, RouteRequest
+from schemas.subjects import task_event
+from schemas.tasks import is_retryable
+from services.fleet.binding import Supports
+from services.router.ending import wait_for_end
+from services.router.records import ended_reply, latest_outcome
+from services.router.waiting import Waiter
+from services.runtime.outcomes import last_on, stored_ends
+
+# What a waiting request allows beyond the task's own timeout, as for the first request.
+FOLLOW_MARGIN_S: Final = 30.0
+
+
+class Unsubmitted:
+    """The request names a task the event log does not hold: submit it as usual."""
+
+
+UNSUBMITTED: Final = Unsubmitted()
+
+
+async def stored(js: JetStreamContext, task_id: str, kind: str) -> object | None:
+    """The task's latest ``kind`` event recorded by the router or the reaper, decoded."""
+    data = await last_on(js, task_event(task_id, kind))
+    return None if data is None else task_event_decoder.decode(data)
+
+
+class Follower:
+    """Answers route requests for tasks already submitted, over the router's waiters."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        waiters: dict[str, Waiter],
+        waiting_on: dict[str, str],
+        *,
+        moves_on: Callable[[], Awaitable[bool]],
+        supports: Supports,
+    ) -> None:
+        self.js = js
+        self.waiters = waiters
+        self.waiting_on = waiting_on
+        self.moves_on = moves_on
+        self.supports = supports
+
+    async def answer(
+        self, request: RouteRequest, task_id: str, reply_to: str
+    ) -> RouteReply | Unsubmitted | None:
+        """The reply for a request naming ``task_id``; `UNSUBMITTED` when the task is new;
+        None when this router already answers ``reply_to`` for it (no second reply)."""
+        if reply_to and self.waiting_on.get(reply_to) == task_id:
+            return None
+        submitted = await stored(self.js, task_id, "submitted")
+        if not isinstance(submitted, TaskSubmitted):
+            return UNSUBMITTED
+        routed = await stored(self.js, task_id, "routed")
+        routing = routed if isinstance(routed, TaskRouted) else None
+        queue = routing.queue if routing is not None else ""
+        routed_to = routing.worker if routing is not None else ""
+        waiter = self.waiters.get(task_id)
+        shared = waiter is not None
+        if waiter is None:
+            waiter = Waiter(
+                retryable_kind=is_retryable(submitted.task_type),
+                moves_on=self.moves_on,
+                routed_to=routed_to,
+                supports=self.supports,
+            )
+            # Until a routing is seen (none stored yet), no worker's outcome is taken.
+            waiter.attempt = routing.attempt if routing is not None else 0
+            waiter.routed_to = routing.worker if routing is not None else None
+            self.waiters[task_id] = waiter
+        if reply_to:
+            self.waiting_on[reply_to] = task_id
+        try:
+            # Registered first: an end stored from now on reaches the waiter, one stored
+            # before is in the stream.
+            outcome = await self._ended(task_id, waiter)
+            if outcome is None:
+                if not (request.wait or request.stream):
+                    return RouteReply(
+                        task_id=task_id, status="queued", queue=queue, worker=routed_to
+                    )
+                budget_s = submitted.at + submitted.timeout_s + FOLLOW_MARGIN_S - time.time()
+                outcome = await wait_for_end(
+                    self.js, task_id, waiter, max(budget_s, 1.0), shared=shared
+                )
+            return ended_reply(task_id, queue, routed_to, outcome)
+        finally:
+            if reply_to:
+                self.waiting_on.pop(reply_to, None)
+            if not shared:
+                waiter.close()
+                self.waiters.pop(task_id, None)
+
+    async def _ended(self, task_id: str, waiter: Waiter) -> TaskCompleted | TaskFailed | None:
+        """The outcome the stream holds that ``waiter`` would take, if any."""
+        ends = [
+            event
+            for event, source in await stored_ends(self.js, task_id)
+            if isinstance(event, TaskCompleted | TaskFailed)
+            and event.attempt >= waiter.attempt
+            and waiter.refusal(event, source) is None
+        ]
+        return latest_outcome(ends)

@@ -1,0 +1,213 @@
+"""Answers reach their clients: a route request names its task, and asking again with the same
+id (after the router died, or the reply was lost) is answered as that task, never run twice."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from typing import Any
+
+import msgspec
+import ollama as ollama_client
+import openai
+from nats.aio.client import Client
+from nats.js.api import StreamInfo
+
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
+from schemas.route import RouteReply
+from services.runtime.request import new_task_id, stream_call
+from tests.harness import (
+    COORDINATOR,
+    Processes,
+    ServiceRunner,
+    clean_env,
+    error_of,
+    eventually,
+    last_task_event,
+    request,
+    workers_live,
+)
+from tests.integration.test_gateway import start_gateway
+
+MODEL = "qwen2.5:0.5b"
+
+
+def start_router(processes: Processes, nats_server: NatsServer) -> subprocess.Popen[str]:
+    return processes.start(
+        [COORDINATOR, "router"], clean_env(NATS_URL=nats_server.url, WORKER_TTL_S="3")
+    )
+
+
+def kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+
+
+async def count_events(nc: Client, task_id: str, kind: str) -> int:
+    """How many ``kind`` events the log holds for the task, whoever recorded them."""
+    js = nc.jetstream()
+    info: StreamInfo = await js.stream_info("EVENTS", subjects_filter=f"events.task.{task_id}.>")
+    subjects = info.state.subjects or {}
+    return sum(n for subject, n in subjects.items() if subject.endswith(f".{kind}"))
+
+
+async def started(nc: Client, task_id: str) -> bool:
+    try:
+        await last_task_event(nc.jetstream(), task_id, "started")
+    except Exception:
+        return False
+    return True
+
+
+async def test_a_client_whose_router_dies_while_it_waits_gets_the_answer_by_asking_again(
+    nats_server: NatsServer,
+    nc: Client,
+    ollama: FakeOllama,
+    runner: ServiceRunner,
+    processes: Processes,
+) -> None:
+    first = start_router(processes, nats_server)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1, timeout_s=30)
+    ollama.delay_s = 3.0
+    task_id = new_task_id()
+    body = msgspec.json.encode({"prompt": "1+1", "model": MODEL, "wait": True, "task_id": task_id})
+
+    async def ask() -> bytes:
+        final = b""
+        async for item in stream_call(nc, "coordinator.route", body, 60.0, reask_s=1.0):
+            if isinstance(item, bytes):
+                final = item
+        return final
+
+    asking = asyncio.create_task(ask())
+    await eventually(lambda: started(nc, task_id), timeout_s=15)
+    kill(first)  # the router that holds the waiting request, with the answer it would send
+    start_router(processes, nats_server)
+    reply = msgspec.json.decode(await asyncio.wait_for(asking, 30), type=RouteReply)
+
+    assert (reply.task_id, reply.status, reply.response) == (task_id, "done", "2")
+    # One task, run once: asking again submitted nothing.
+    assert await count_events(nc, task_id, "submitted") == 1
+    assert await count_events(nc, task_id, "started") == 1
+    assert ollama.stats()["generate_calls"] + ollama.stats()["chat_calls"] >= 1
+
+
+async def test_asking_again_for_a_task_that_ended_answers_it_at_once_without_running_it(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    task_id = new_task_id()
+    ask: dict[str, Any] = {"prompt": "2+3", "model": MODEL, "wait": True, "task_id": task_id}
+    first, _ = await request(nc, "coordinator.route", ask)
+    calls = ollama.stats()
+
+    again, _ = await request(nc, "coordinator.route", ask, timeout_s=5)
+    queued, _ = await request(nc, "coordinator.route", {**ask, "wait": False}, timeout_s=5)
+
+    assert first["status"] == again["status"] == "done"
+    assert first["response"] == again["response"] == "5"
+    assert again["worker"] == first["worker"] and again["task_id"] == task_id
+    assert queued["status"] == "done"  # it has ended: said as it is
+    assert ollama.stats() == calls
+    assert await count_events(nc, task_id, "submitted") == 1
+
+
+async def test_a_task_id_that_cannot_be_one_is_refused(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    for bad in ("a.b", "", "x" * 65, "with space", "*"):
+        body, headers = await request(
+            nc, "coordinator.route", {"prompt": "1+1", "model": MODEL, "task_id": bad}
+        )
+        assert headers["Nats-Service-Error-Code"] == "bad_request", bad
+        assert "task_id must be 1 to 64 letters" in error_of(body).error.message
+
+
+async def test_the_gateway_asks_again_when_its_router_dies_and_its_clients_get_whole_answers(
+    nats_server: NatsServer,
+    nc: Client,
+    runner: ServiceRunner,
+    processes: Processes,
+) -> None:
+    with FakeOllama(models=[MODEL]) as fake:
+        first = start_router(processes, nats_server)
+        runner.worker(nats_server.url, fake.url, "cpu-1")
+        url = await start_gateway(runner, nats_server.url, gateway_reask_s=1.0)
+        await workers_live(nc, 1, timeout_s=30)
+
+        # A whole answer (the official ollama client) whose router dies while it waits.
+        fake.delay_s = 3.0
+        oc = ollama_client.AsyncClient(host=url)
+        chat = asyncio.create_task(
+            oc.chat(model=MODEL, messages=[{"role": "user", "content": "what is 6*7"}])
+        )
+        await eventually(lambda: _running(nc), timeout_s=15)
+        kill(first)
+        second = start_router(processes, nats_server)
+        answer = await asyncio.wait_for(chat, 30)
+        assert answer.message.content == "42"
+
+        # A stream (the official openai client) whose router dies mid-answer: the pieces
+        # lost with it come with the end, and the text is whole.
+        fake.delay_s = 0.0
+        fake.chunk_delay_s = 0.3
+        prompt = "tell me about " + " ".join(f"item{i}" for i in range(12))
+        ai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+        pieces: list[str] = []
+
+        async def stream() -> None:
+            chunks = await ai.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], stream=True
+            )
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    pieces.append(chunk.choices[0].delta.content)
+
+        async def some_pieces() -> bool:
+            return len(pieces) >= 3
+
+        streaming = asyncio.create_task(stream())
+        await eventually(some_pieces, timeout_s=15)
+        kill(second)
+        start_router(processes, nats_server)
+        await asyncio.wait_for(streaming, 40)
+        assert "".join(pieces) == f"Echo from {MODEL}: {prompt}"
+        await ai.close()
+
+
+async def _running(nc: Client) -> bool:
+    body, _ = await request(nc, "coordinator.workers", {}, timeout_s=2)
+    return any(w.get("current_task") for w in body["workers"])
+
+
+async def test_coordinator_ask_gets_its_answer_when_its_router_dies_while_it_waits(
+    nats_server: NatsServer,
+    nc: Client,
+    ollama: FakeOllama,
+    runner: ServiceRunner,
+    processes: Processes,
+) -> None:
+    first = start_router(processes, nats_server)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1, timeout_s=30)
+    ollama.delay_s = 3.0
+    ask = processes.start(
+        [COORDINATOR, "ask", "what is 6*7", "--model", MODEL],
+        clean_env(NATS_URL=nats_server.url),
+    )
+    await eventually(lambda: _running(nc), timeout_s=15)
+    kill(first)
+    start_router(processes, nats_server)
+    # The command asks again after 10 s of silence (REASK_AFTER_S), naming its task.
+    out, err = await asyncio.to_thread(ask.communicate, timeout=40)
+    assert ask.returncode == 0, err
+    assert out.strip() == "42"
+    assert "done on cpu-1" in err
