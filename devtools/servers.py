@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import asyncpg
@@ -51,7 +51,9 @@ class NatsServer:
 
     With ``config``, the server reads that file (its JetStream ``store_dir`` must be
     ``store_dir``; address and port come from here) with ``env`` added to its environment
-    (the configuration's ``$VARIABLES``).
+    (the configuration's ``$VARIABLES``). ``listen`` is the address it listens on: the
+    loopback, or ``0.0.0.0`` for clients on test hosts in network namespaces (``url`` is the
+    loopback's either way).
     """
 
     def __init__(
@@ -61,8 +63,12 @@ class NatsServer:
         *,
         config: str | None = None,
         env: dict[str, str] | None = None,
+        listen: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
+        self.listen = listen
+        self.extra_args = list(extra_args)
         self.store_dir = store_dir
         self.config = config
         self.env = env
@@ -73,9 +79,9 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> NatsServer:
-        where = ["-a", "127.0.0.1", "-p", str(self.port)]
+        where = ["-a", self.listen, "-p", str(self.port)]
         if self.config:
-            args = ["-c", self.config, *where]
+            args = ["-c", self.config, *where, *self.extra_args]
         else:
             # The shipped configurations' message limit, so tests see what a fleet sees.
             os.makedirs(self.store_dir, exist_ok=True)
@@ -101,6 +107,130 @@ class NatsServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+class NatsCluster:
+    """A JetStream cluster of three nats-servers on loopback ports, each running the
+    configuration `coordinator deploy render nats --cluster` makes for its node (every user
+    of the single server's configuration, the routes' password, the system user).
+
+    ``passwords`` is nats-server's environment for the users (``<USER>_PASSWORD``); the
+    cluster's and the system user's passwords are `CLUSTER_PASSWORD` and `SYSTEM_PASSWORD`.
+    Node ``i`` keeps its store under ``root``, so a stopped node starts again with its data.
+    """
+
+    CLUSTER_PASSWORD = "pw-cluster"
+    SYSTEM_PASSWORD = "pw-system"
+
+    def __init__(
+        self,
+        root: str,
+        passwords: Mapping[str, str],
+        *,
+        workers: Sequence[str] = (),
+        web_workers: Sequence[str] = (),
+        size: int = 3,
+        name: str = "coordinator",
+    ) -> None:
+        from services.cli.cluster import parse_routes, render_cluster_conf, routes_value
+
+        cluster_ports = [free_port() for _ in range(size)]
+        self.cluster_ports = cluster_ports
+        routes = ",".join(f"127.0.0.1:{port}" for port in cluster_ports)
+        env = {
+            **passwords,
+            "CLUSTER_PASSWORD": self.CLUSTER_PASSWORD,
+            "SYSTEM_PASSWORD": self.SYSTEM_PASSWORD,
+            "CLUSTER_ROUTES": routes_value(parse_routes(routes), self.CLUSTER_PASSWORD),
+        }
+        self.monitor_ports = [free_port() for _ in range(size)]
+        self.nodes: list[NatsServer] = []
+        for i, port in enumerate(cluster_ports):
+            node_dir = Path(root) / f"node{i}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            store = str(node_dir / "js")
+            conf = render_cluster_conf(name, routes, f"127.0.0.1:{port}", workers, web_workers)
+            # The node's store under ``root``, its routes on the loopback (nats-server takes
+            # neither from its command line when the file sets them).
+            for shipped, here in (
+                ("  store_dir: /var/lib/nats\n", f"  store_dir: {store}\n"),
+                (f"  listen: 0.0.0.0:{port}\n", f"  listen: 127.0.0.1:{port}\n"),
+            ):
+                assert shipped in conf, shipped
+                conf = conf.replace(shipped, here)
+            config = node_dir / "nats-server.conf"
+            config.write_text(conf)
+            self.nodes.append(
+                NatsServer(
+                    store,
+                    config=str(config),
+                    env=env,
+                    extra_args=["-m", str(self.monitor_ports[i])],
+                )
+            )
+
+    @property
+    def url(self) -> str:
+        """``NATS_URL`` naming every node."""
+        return ",".join(node.url for node in self.nodes)
+
+    def start(self, timeout_s: float = 30.0) -> NatsCluster:
+        for node in self.nodes:
+            node.start()
+        for i in range(len(self.nodes)):
+            self.wait_healthy(i, timeout_s)
+        return self
+
+    def monitor(self, i: int, path: str) -> tuple[int, bytes]:
+        """GET ``path`` of node ``i``'s monitoring endpoint: status and body."""
+        import urllib.error
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.monitor_ports[i]}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as reply:
+                return int(reply.status), bytes(reply.read())
+        except urllib.error.HTTPError as exc:
+            return int(exc.code), bytes(exc.read())
+
+    def wait_healthy(self, i: int, timeout_s: float = 30.0) -> None:
+        """Until node ``i`` says it is healthy: JetStream on and in step with the meta leader."""
+        deadline = time.monotonic() + timeout_s
+        last: object = None
+        while time.monotonic() < deadline:
+            try:
+                last = self.monitor(i, "/healthz")
+                if last[0] == 200:
+                    return
+            except OSError as exc:
+                last = exc
+            time.sleep(0.1)
+        raise RuntimeError(f"node {i} is not healthy after {timeout_s} s: {last!r}")
+
+    def node_serving(self, client_name: str) -> int:
+        """The node a client (by its connection name) is connected to."""
+        import json
+
+        for i, node in enumerate(self.nodes):
+            if node.proc is None:
+                continue
+            _, body = self.monitor(i, "/connz?limit=1024")
+            names = [c.get("name") for c in json.loads(body).get("connections") or []]
+            if client_name in names:
+                return i
+        raise LookupError(f"no node serves a client named {client_name!r}")
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node ``i``: no goodbye to its clients or its peers."""
+        proc = self.nodes[i].proc
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            self.nodes[i].proc = None
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
 
 @contextlib.contextmanager

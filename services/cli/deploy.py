@@ -5,10 +5,12 @@
 - ``health ROLE`` answers a container's or a unit's health check: the role's service answers
   a NATS micro ``PING``, or the worker's registry entry is fresh.
 - ``deploy render systemd|launchd|nats`` prints a unit, a launchd agent or the NATS server
-  configuration (one user per role, with only the subjects that role needs).
+  configuration (one user per role, with only the subjects that role needs), for a single
+  server or for one node of a JetStream cluster (``--cluster``).
 
 This module is the commands; what they print or check is in `roles`, `permissions` (the NATS
-users), `units` (systemd and launchd) and `health` (setup and health checks).
+users), `cluster` (a cluster node's configuration), `units` (systemd and launchd), `health`
+(setup and health checks) and `replication` (the streams' replicas on a cluster).
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
+from services.cli.cluster import render_cluster_conf
 from services.cli.health import check_health, setup_streams
 from services.cli.permissions import render_nats_conf
 from services.cli.roles import PER_WORKER, SERVICE_ROLES
 from services.cli.units import read_env_file, render_launchd, render_systemd
 from services.runtime.errors import ConfigError
-from services.runtime.settings import SetupSettings
+from services.runtime.settings import MAX_REPLICAS, SetupSettings, check_replicas
 
 EXIT_FAILED = 1
 
@@ -35,8 +38,16 @@ def register(sub: Any) -> None:
     setup = sub.add_parser(
         "setup",
         help="create or update the streams and buckets (with the admin NATS user)",
-        description="Reads NATS_URL and the NATS_* credentials, WORKER_TTL_S and "
-        "EVENTS_MAX_AGE_S (0: keep every event).",
+        description="Reads NATS_URL and the NATS_* credentials, WORKER_TTL_S, "
+        "EVENTS_MAX_AGE_S (0: keep every event) and NATS_REPLICAS.",
+    )
+    setup.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help=f"how many servers of a JetStream cluster keep each stream and bucket (1-"
+        f"{MAX_REPLICAS}; existing ones are changed in place, nothing is lost); default "
+        "NATS_REPLICAS, else new ones get 1 and existing ones keep theirs",
     )
     setup.set_defaults(func=cmd_setup)
 
@@ -69,22 +80,41 @@ def register(sub: Any) -> None:
     systemd.set_defaults(func=cmd_render_systemd)
     launchd.set_defaults(func=cmd_render_launchd)
 
-    nats = kinds.add_parser("nats", help="nats-server.conf: JetStream and one user per role")
+    nats = kinds.add_parser(
+        "nats",
+        help="nats-server.conf: JetStream and one user per role",
+        description="The single server's configuration, or with --cluster, --routes and "
+        "--node the configuration of one node of a JetStream cluster (run it once per node).",
+    )
     nats.add_argument("--worker", action="append", default=[], help="a worker id (repeat)")
     nats.add_argument("--web-worker", action="append", default=[], help="a web-search worker id")
+    nats.add_argument("--cluster", metavar="NAME", help="the JetStream cluster's name")
+    nats.add_argument(
+        "--routes",
+        metavar="HOST[:PORT],…",
+        help="every node of the cluster, this one included (cluster port 6222 by default)",
+    )
+    nats.add_argument("--node", metavar="HOST", help="the node whose configuration to print")
     nats.set_defaults(func=cmd_render_nats)
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
     settings = SetupSettings.from_env()
-    asyncio.run(
+    replicas = settings.nats_replicas
+    if args.replicas is not None:
+        check_replicas(args.replicas, "--replicas")
+        replicas = args.replicas
+    copies = asyncio.run(
         setup_streams(
             settings.nats_url,
             worker_ttl_s=settings.worker_ttl_s,
             events_max_age_s=settings.events_max_age_s,
             auth=settings.nats_auth(),
+            replicas=replicas,
         )
     )
+    for stream in copies:
+        print(stream.line())
     print(
         f"streams {TASKS_STREAM}, {EVENTS_STREAM} and the buckets are ready on {settings.nats_url}"
     )
@@ -131,7 +161,21 @@ def cmd_render_launchd(args: argparse.Namespace) -> int:
 
 
 def cmd_render_nats(args: argparse.Namespace) -> int:
-    print(render_nats_conf(args.worker, args.web_worker), end="")
+    cluster_options = {"--cluster": args.cluster, "--routes": args.routes, "--node": args.node}
+    given = [name for name, value in cluster_options.items() if value is not None]
+    if not given:
+        print(render_nats_conf(args.worker, args.web_worker), end="")
+        return 0
+    if len(given) < len(cluster_options):
+        missing = [name for name in cluster_options if name not in given]
+        raise ConfigError(
+            f"a cluster node's configuration needs --cluster, --routes and --node; "
+            f"{', '.join(missing)} missing"
+        )
+    print(
+        render_cluster_conf(args.cluster, args.routes, args.node, args.worker, args.web_worker),
+        end="",
+    )
     return 0
 
 

@@ -7,7 +7,10 @@ little of generations, lesson 13), and for the fleet's known
 failure modes: duplicate consumers (two processes pulling one worker's queue), ghost queues
 (tasks waiting where nobody pulls), stale registrations (a heartbeat older than the TTL) and
 version skew between services. On Linux it also reads the systemd unit files and names units
-that start the same worker (the two-units incident behind lesson 2).
+that start the same worker (the two-units incident behind lesson 2). When the server is one
+node of a JetStream cluster it checks the cluster too: its peers and meta leader (with the
+system account's user, ``NATS_SYSTEM_USER``/``NATS_SYSTEM_PASSWORD``) and each stream's
+replicas (`doctor_cluster`).
 
 The checks are pure functions of what was gathered (`doctor_checks`), so they are tested
 without servers; the unit files are read by `unit_scan`; `gather` here does the I/O. Run it
@@ -28,15 +31,20 @@ from pathlib import Path
 from typing import Any, Final
 
 from schemas.subjects import (
-    ASLEEP_BUCKET,
     EVENTS_STREAM,
-    STATS_BUCKET,
     TASKS_STREAM,
     TASKS_SUBJECTS,
     WORKERS_BUCKET,
 )
 from services.cli.doctor_checks import DEFAULT_TTL_S, Check, Gathered, evaluate
+from services.cli.doctor_cluster import MetaGroup, meta_from_jsz
+from services.cli.replication import FLEET_STREAMS
 from services.cli.unit_scan import scan_unit_dirs
+from services.runtime.settings import NatsAuth
+
+NO_SYSTEM_USER: Final = (
+    "set NATS_SYSTEM_USER and NATS_SYSTEM_PASSWORD (the cluster's system user) to read it"
+)
 
 EXIT_PROBLEM: Final = 1
 DEFAULT_UNIT_DIRS: Final = ("/etc/systemd/system", "~/.config/systemd/user")
@@ -65,14 +73,42 @@ async def _service_infos(nc: Any, wait_s: float) -> list[tuple[str, str, str]]:
     return found
 
 
+async def _meta_group(nats_url: str, system: NatsAuth, wait_s: float) -> MetaGroup | None:
+    """The cluster's meta group: every server's answer to ``$SYS.REQ.SERVER.PING.JSZ``, which
+    only the system account may ask."""
+    import json
+
+    from services.runtime.bus import connect
+
+    nc = await connect(nats_url, "coordinator-doctor-system", connect_timeout_s=2.0, auth=system)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish("$SYS.REQ.SERVER.PING.JSZ", b"{}", reply=inbox)
+        replies: list[dict[str, Any]] = []
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except Exception:
+                break
+            with contextlib.suppress(ValueError):
+                replies.append(json.loads(msg.data))
+        return meta_from_jsz(replies)
+    finally:
+        await nc.close()
+
+
 async def gather(
     nats_url: str,
     *,
     pg_dsn: str | None,
     unit_dirs: Sequence[str | Path] | None,
     info_wait_s: float = 0.5,
+    system: NatsAuth | None = None,
 ) -> Gathered:
     import msgspec
+    import nats.errors
     import nats.js.errors
 
     from schemas.workers import worker_record_decoder
@@ -89,21 +125,28 @@ async def gather(
         return g
     try:
         g.server_version = str(nc._server_info.get("version", "?"))
+        g.cluster = nc._server_info.get("cluster") or None
         js = nc.jetstream(timeout=3.0)
         try:
             await js.account_info()
         except Exception as exc:
             g.jetstream = f"not available: {exc!r}"
             return g
-        for name in (
-            TASKS_STREAM,
-            EVENTS_STREAM,
-            *(f"KV_{b}" for b in (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET)),
-        ):
+        if g.cluster:
+            g.meta_error = NO_SYSTEM_USER
+            if system is not None:
+                try:
+                    g.meta = await _meta_group(nats_url, system, max(info_wait_s, 1.0))
+                except Exception as exc:
+                    g.meta_error = f"cannot read the meta group: {exc}"
+        for name in FLEET_STREAMS:
             try:
                 g.streams[name] = await js.stream_info(name)
             except nats.js.errors.NotFoundError:
                 g.streams[name] = None
+            except nats.errors.TimeoutError:
+                # On a cluster: the stream's servers have no leader (too few of them are up).
+                g.unanswered.append(name)
         if g.streams.get(TASKS_STREAM) is not None:
             info = await js.stream_info(TASKS_STREAM, subjects_filter=TASKS_SUBJECTS)
             g.task_subjects = dict(info.state.subjects or {})
@@ -150,8 +193,10 @@ async def run_doctor(
     *,
     pg_dsn: str | None = None,
     unit_dirs: Sequence[str | Path] | None = None,
+    system: NatsAuth | None = None,
 ) -> list[Check]:
-    return evaluate(await gather(nats_url, pg_dsn=pg_dsn, unit_dirs=unit_dirs))
+    """Every check's line. ``system``: the cluster's system user, to read its meta group."""
+    return evaluate(await gather(nats_url, pg_dsn=pg_dsn, unit_dirs=unit_dirs, system=system))
 
 
 def register(sub: Any) -> None:
@@ -159,8 +204,8 @@ def register(sub: Any) -> None:
         "doctor",
         help="check NATS, streams, consumers, PostgreSQL, workers and service units",
         description="One line per check; exit 1 when one found a problem. Reads NATS_URL (or "
-        "the stack `coordinator up` recorded), the NATS_* credentials (use the operator user) and "
-        "PG_DSN.",
+        "the stack `coordinator up` recorded), the NATS_* credentials (use the operator user), "
+        "PG_DSN, and on a cluster NATS_SYSTEM_USER and NATS_SYSTEM_PASSWORD.",
     )
     doctor.add_argument(
         "--unit-dir",
@@ -174,11 +219,17 @@ def register(sub: Any) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from services.cli.client import find_nats_url
     from services.runtime.logging import setup_logging
+    from services.runtime.settings import DoctorSettings
 
     setup_logging("error", "console", stream=sys.stderr)
     unit_dirs = args.unit_dirs or (list(DEFAULT_UNIT_DIRS) if sys.platform == "linux" else None)
     checks = asyncio.run(
-        run_doctor(find_nats_url(), pg_dsn=os.environ.get("PG_DSN") or None, unit_dirs=unit_dirs)
+        run_doctor(
+            find_nats_url(),
+            pg_dsn=os.environ.get("PG_DSN") or None,
+            unit_dirs=unit_dirs,
+            system=DoctorSettings.from_env().system_auth(),
+        )
     )
     for check in checks:
         print(check.line())

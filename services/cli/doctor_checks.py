@@ -5,14 +5,15 @@ services make them, PostgreSQL, each live worker's model server (from its own pr
 registration), and the fleet's known
 failure modes: duplicate consumers (two processes pulling one worker's queue), ghost queues
 (tasks waiting where nobody pulls), stale registrations (a heartbeat older than the TTL),
-version skew between services and systemd units that start the same worker.
+version skew between services and systemd units that start the same worker; on a JetStream
+cluster also its peers, meta leader and each stream's replicas (`doctor_cluster`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from nats.js.api import ConsumerInfo, RetentionPolicy, StreamConfig, StreamInfo
 
@@ -30,6 +31,9 @@ from schemas.subjects import (
 )
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
 from services.fleet.liveness import is_fresh, is_live
+
+if TYPE_CHECKING:
+    from services.cli.doctor_cluster import MetaGroup
 
 DEFAULT_TTL_S: Final = 15.0
 
@@ -75,6 +79,10 @@ class Gathered:
     postgres: str | None = None  # "" fine, None not configured, text: what is wrong
     postgres_detail: str = ""
     units: dict[str, list[str]] | None = None  # worker id -> unit names; None: not Linux
+    cluster: str | None = None  # the JetStream cluster's name; None: a single server
+    meta: MetaGroup | None = None  # the cluster's meta group, as its leader sees it
+    meta_error: str = ""  # why the meta group was not read
+    unanswered: list[str] = field(default_factory=list)  # streams whose info timed out
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -88,7 +96,7 @@ def subject_matches(pattern: str, subject: str) -> bool:
     return len(parts) == len(tokens)
 
 
-def check_streams(found: Mapping[str, StreamInfo | None]) -> Check:
+def check_streams(found: Mapping[str, StreamInfo | None], unanswered: Sequence[str] = ()) -> Check:
     expected: dict[str, tuple[str, RetentionPolicy | None]] = {
         TASKS_STREAM: (TASKS_SUBJECTS, RetentionPolicy.WORK_QUEUE),
         EVENTS_STREAM: (EVENTS_SUBJECTS, RetentionPolicy.LIMITS),
@@ -97,6 +105,9 @@ def check_streams(found: Mapping[str, StreamInfo | None]) -> Check:
     summary: list[str] = []
     for name, (subject, retention) in expected.items():
         info = found.get(name)
+        if name in unanswered:
+            problems.append(f"stream {name} does not answer")
+            continue
         if info is None:
             problems.append(f"stream {name} is missing (run `coordinator setup`)")
             continue
@@ -107,7 +118,7 @@ def check_streams(found: Mapping[str, StreamInfo | None]) -> Check:
             problems.append(f"stream {name} has retention {config.retention}, not {retention}")
         summary.append(f"{name} {info.state.messages} msgs")
     for bucket in (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET):
-        if found.get(f"KV_{bucket}") is None:
+        if found.get(f"KV_{bucket}") is None and f"KV_{bucket}" not in unanswered:
             problems.append(f"bucket {bucket} is missing (run `coordinator setup`)")
     return _verdict("streams", problems, ", ".join(summary) + ", buckets present")
 
@@ -252,8 +263,13 @@ def evaluate(g: Gathered) -> list[Check]:
             _ok("nats", f"nats-server {g.server_version}"),
             Check("jetstream", "problem", g.jetstream),
         ]
-    checks.append(_ok("nats", f"nats-server {g.server_version}, JetStream on"))
-    checks.append(check_streams(g.streams))
+    cluster = f", cluster {g.cluster}" if g.cluster else ""
+    checks.append(_ok("nats", f"nats-server {g.server_version}, JetStream on{cluster}"))
+    if g.cluster:
+        from services.cli.doctor_cluster import cluster_checks
+
+        checks.extend(cluster_checks(g.meta, g.meta_error, g.streams, g.unanswered))
+    checks.append(check_streams(g.streams, g.unanswered))
     checks.append(check_consumers(g.consumers, g.records, g.now, g.ttl_s))
     if g.postgres is None:
         checks.append(Check("postgresql", "skipped", "PG_DSN not set"))

@@ -12,12 +12,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from schemas.subjects import (
-    ASLEEP_BUCKET,
-    GATEWAY_KEYS_BUCKET,
-    STATS_BUCKET,
-    TASKS_STREAM,
-    WORKERS_BUCKET,
+from schemas.subjects import TASKS_STREAM, WORKERS_BUCKET
+from services.cli.replication import (
+    FLEET_BUCKETS,
+    Replication,
+    check_replicas_possible,
+    set_replicas,
 )
 from services.cli.roles import MICRO_SERVICES, PER_WORKER
 from services.fleet.liveness import is_fresh
@@ -37,20 +37,33 @@ async def setup_streams(
     worker_ttl_s: float,
     events_max_age_s: float,
     auth: NatsAuth | None = None,
-) -> None:
-    """Create or update every stream, bucket and pool consumer (the ``operator`` user may)."""
+    replicas: int | None = None,
+) -> list[Replication]:
+    """Create or update every stream, bucket and pool consumer (the ``operator`` user may).
+
+    ``replicas``: how many servers of a JetStream cluster keep each stream and bucket (see
+    `services.cli.replication`); None makes new ones with one and leaves existing ones as
+    they are, so a setup run without it never undoes a cluster's replicas. Returns each
+    stream's copies when ``replicas`` was given.
+    """
     from services.runtime.bus import connect, ensure_bucket, ensure_streams
     from services.runtime.consumers import POOLS, ensure_consumer
 
     nc = await connect(nats_url, "coordinator-setup", auth=auth)
     try:
         js = nc.jetstream()
+        if replicas is not None:
+            # Before anything is made: a refusal leaves the server as it was.
+            check_replicas_possible(nc._server_info, nats_url, replicas)
         await ensure_streams(js, worker_ttl_s=worker_ttl_s, events_max_age_s=events_max_age_s)
-        await ensure_bucket(js, STATS_BUCKET, ttl_s=None)
-        await ensure_bucket(js, ASLEEP_BUCKET, ttl_s=None)
-        await ensure_bucket(js, GATEWAY_KEYS_BUCKET, ttl_s=None)
+        for bucket in FLEET_BUCKETS:
+            if bucket != WORKERS_BUCKET:  # made with its TTL by ensure_streams
+                await ensure_bucket(js, bucket, ttl_s=None)
         for pool in POOLS:  # workers may pull from these, not make or change them
             await ensure_consumer(js, pool, ack_wait_s=DEFAULT_ACK_WAIT_S)
+        if replicas is None:
+            return []
+        return await set_replicas(js, nc._server_info, nats_url, replicas)
     finally:
         await nc.close()
 

@@ -44,7 +44,7 @@ from schemas.subjects import (
 )
 from services.runtime.errors import ConfigError, StopRequested, Unavailable
 from services.runtime.lifecycle import current_stop
-from services.runtime.settings import DEFAULT_WORKER_TTL_S, NatsAuth, Settings
+from services.runtime.settings import DEFAULT_WORKER_TTL_S, NatsAuth, Settings, nats_servers
 from services.runtime.tracing import inject_context
 
 log = structlog.get_logger("bus")
@@ -75,6 +75,11 @@ async def connect(
 ) -> Client:
     """Connect; once connected, reconnect for ever (changes are logged, not printed as tracebacks).
 
+    ``url`` is ``NATS_URL``: one server, or the nodes of a cluster comma-separated. The client
+    connects to any one of them, and when that one goes away it reconnects to another (and to
+    the cluster's other servers, which the server it is connected to advertises), so a
+    service fails over without a restart.
+
     Until the first connection, a process that runs until stopped (``stop``; by default the
     stop event `install_stop_signals` installed: a service, ``coordinator up``) tries again and
     again, logging each failed attempt, and gives up with `StopRequested` when ``stop`` is set.
@@ -88,8 +93,11 @@ async def connect(
         auth = Settings.from_env().nats_auth()
     if stop is None:
         stop = current_stop()
+    servers = nats_servers(url)
+    # Every server's URL, as people read them in messages: each one was tried.
+    where = ", ".join(servers)
     options = {
-        "servers": [url],
+        "servers": servers,
         "name": name,
         "connect_timeout": connect_timeout_s,
         **_auth_options(auth),
@@ -99,25 +107,25 @@ async def connect(
     }
     if stop is None:
         try:
-            return await _connect_once(url, name, options, within_s=connect_timeout_s, stop=None)
+            return await _connect_once(where, name, options, within_s=connect_timeout_s, stop=None)
         except _Unreached as exc:
-            raise Unavailable(f"cannot reach NATS at {url}: {exc}") from exc.__cause__
+            raise Unavailable(f"cannot reach NATS at {where}: {exc}") from exc.__cause__
     attempt = 0
     while not stop.is_set():
         attempt += 1
         try:
-            return await _connect_once(url, name, options, within_s=connect_timeout_s, stop=stop)
+            return await _connect_once(where, name, options, within_s=connect_timeout_s, stop=stop)
         except _Unreached as exc:
             if _refused_credentials(exc.__cause__):
                 # The server is up and said no: waiting will not change its mind.
                 raise ConfigError(
-                    f"NATS at {url} refused this service's credentials ({exc}): check "
+                    f"NATS at {where} refused this service's credentials ({exc}): check "
                     "NATS_USER/NATS_PASSWORD, NATS_TOKEN or NATS_CREDS"
                 ) from exc.__cause__
             retry_in_s = min(FIRST_CONNECT_RETRY_S * 2 ** (attempt - 1), FIRST_CONNECT_RETRY_MAX_S)
             log.warning(
                 "cannot reach NATS; trying again",
-                url=url,
+                url=where,
                 error=str(exc),
                 client=name,
                 attempt=attempt,
@@ -125,7 +133,7 @@ async def connect(
             )
         with suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), retry_in_s)
-    raise StopRequested(f"stopped before NATS at {url} answered")
+    raise StopRequested(f"stopped before NATS at {where} answered")
 
 
 class _Unreached(Exception):
@@ -133,17 +141,22 @@ class _Unreached(Exception):
 
 
 async def _connect_once(
-    url: str, name: str, options: dict[str, Any], *, within_s: float, stop: asyncio.Event | None
+    where: str, name: str, options: dict[str, Any], *, within_s: float, stop: asyncio.Event | None
 ) -> Client:
-    """The connected client; `_Unreached` at the first failed attempt or after ``within_s``,
+    """The connected client; `_Unreached` once every server has failed an attempt (at once
+    when one refuses the credentials: they are the same everywhere) or after ``within_s``,
     `StopRequested` when ``stop`` is set first. A client given up on is closed."""
     nc = Client()
     failed: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
     connected = False
+    failures: list[Exception] = []
 
     async def on_error(exc: Exception) -> None:
         if not connected:
-            if not failed.done():
+            failures.append(exc)
+            # nats.py tries the servers in turn; the last one's failure ends this attempt.
+            done = len(failures) >= len(options["servers"]) or _refused_credentials(exc)
+            if done and not failed.done():
                 failed.set_result(exc)
             return
         log.warning("nats error", error=repr(exc), client=name)
@@ -190,12 +203,15 @@ async def _connect_once(
             await nc.close()
     error = None if connecting.cancelled() else connecting.exception()
     if stopping is not None and stopping.done() and not stopping.cancelled():
-        raise StopRequested(f"stopped before NATS at {url} answered")
+        raise StopRequested(f"stopped before NATS at {where} answered")
     if failed.done():
         error = failed.result()
     if error is None:
         raise _Unreached(f"no answer within {within_s:g} s")
-    raise _Unreached(_why(error, within_s)) from error
+    # One reason when every server failed alike (the usual case), else each one once.
+    said: list[BaseException] = [*failures] or [error]
+    reasons = dict.fromkeys(_why(failure, within_s) for failure in said)
+    raise _Unreached("; ".join(reasons)) from error
 
 
 def _refused_credentials(exc: BaseException | None) -> bool:

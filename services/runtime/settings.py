@@ -16,11 +16,19 @@ import msgspec
 
 from schemas.subjects import InvalidId, check_worker_id
 from schemas.workers import Capability
+from services.fleet.policy import DEFAULT_GPU_PREFERENCE
 from services.runtime.errors import ConfigError
 
 S = TypeVar("S", bound="Settings")
 
 _MAC = re.compile(r"^[0-9A-Fa-f]{2}([:-][0-9A-Fa-f]{2}){5}$")
+# One server of NATS_URL: [scheme://][credentials@]host[:port], the host a name, an IPv4 or
+# a bracketed IPv6 address.
+_NATS_SERVER = re.compile(
+    r"^(?:(?:nats|tls|ws|wss)://)?(?:[^\s/@]+@)?(?:\[[0-9A-Fa-f:.]+\]|[^\s/:@\[\],]+)(?::\d{1,5})?/?$"
+)
+# JetStream keeps at most this many copies of a stream.
+MAX_REPLICAS = 5
 
 LogFormat = Literal["auto", "json", "console"]
 
@@ -39,6 +47,12 @@ def default_worker_id() -> str:
     name = socket.gethostname().split(".")[0]
     cleaned = re.sub(r"[^A-Za-z0-9_-]", "-", name).strip("-") or "worker"
     return cleaned[:128] if cleaned not in {"shared", "web"} else f"{cleaned}-worker"
+
+
+def nats_servers(nats_url: str) -> list[str]:
+    """The servers ``NATS_URL`` names, in order: one URL, or the nodes of a cluster
+    comma-separated (a client fails over between them)."""
+    return [server.strip() for server in nats_url.split(",") if server.strip()]
 
 
 class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,7 +116,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         """Cross-field checks; raise `ConfigError` naming the variable."""
 
     def check_nats(self) -> None:
-        """The NATS credentials make sense together and their files exist."""
+        """NATS_URL names one server or several, and the credentials make sense together
+        and their files exist."""
+        servers = nats_servers(self.nats_url)
+        if not servers:
+            raise ConfigError("NATS_URL names no server")
+        for server in servers:
+            if not _NATS_SERVER.match(server):
+                raise ConfigError(
+                    f"NATS_URL: {server!r} is malformed: expected nats://host:port (the nodes "
+                    "of a cluster comma-separated)"
+                )
         if (self.nats_user is None) != (self.nats_password is None):
             raise ConfigError("NATS_USER and NATS_PASSWORD go together: set both or neither")
         ways = (self.nats_user, self.nats_token, self.nats_creds)
@@ -128,16 +152,31 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         )
 
 
+def check_gpu_preference(value: float) -> None:
+    """``GPU_PREFERENCE`` is a factor of at least 1 (``inf``: a live GPU worker always)."""
+    if not value >= 1.0:  # NaN too
+        raise ConfigError(
+            f"GPU_PREFERENCE must be a number of at least 1 (or inf), not {value!r}: how many "
+            "times later than the best CPU worker the best GPU worker may finish a task"
+        )
+
+
 class RouterSettings(Settings, frozen=True, kw_only=True):
     max_prompt_chars: int = 200_000
     default_timeout_s: float = 300.0
     worker_ttl_s: float = DEFAULT_WORKER_TTL_S
     gpu_models: list[str] = []
+    gpu_preference: float = DEFAULT_GPU_PREFERENCE
+    """A GPU-preferred model goes to a CPU worker when the best GPU worker would finish it
+    more than this many times later (`services.fleet.policy.choose`)."""
     wol_broadcast: str = "255.255.255.255"
     """Where Wake-on-LAN magic packets go (the sleeping machines' broadcast address)."""
     wol_port: int = 9
     wake_wait_s: float = 180.0
     """How long a task waits for a woken worker to start it before it fails."""
+
+    def check(self) -> None:
+        check_gpu_preference(self.gpu_preference)
 
 
 class WorkerSettings(Settings, frozen=True, kw_only=True):
@@ -276,8 +315,11 @@ class ReaperSettings(Settings, frozen=True, kw_only=True):
     """How far back the event log is read at start to learn the tasks still under way."""
     gpu_models: list[str] = []
     """As the router's ``GPU_MODELS``: a moved task goes where the router would send it."""
+    gpu_preference: float = DEFAULT_GPU_PREFERENCE
+    """As the router's ``GPU_PREFERENCE``."""
 
     def check(self) -> None:
+        check_gpu_preference(self.gpu_preference)
         for name in ("worker_ttl_s", "reaper_interval_s", "ghost_after_s", "reaper_lookback_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name.upper()} must be a positive number of seconds")
@@ -302,6 +344,9 @@ class GatewaySettings(Settings, frozen=True, kw_only=True):
     """The longest the gateway waits for the router's next message before answering 504."""
     gateway_retry_after_s: int = 5
     """``Retry-After`` on 503 answers (no live worker, no router): about one heartbeat."""
+    gateway_reask_s: float = 10.0
+    """A waiting request whose router says nothing this long is sent again, naming its task:
+    a router that died took the answer with it, and another answers the task it names."""
     gateway_max_body_bytes: int = 4 * 1024 * 1024
     """The largest request body the gateway reads (images are megabytes); a larger one is a
     413 in the API's own shape. Keep it under the NATS server's ``max_payload``: a task must
@@ -317,6 +362,12 @@ class GatewaySettings(Settings, frozen=True, kw_only=True):
     closed (a ``Content-Length`` larger than what is sent ends here, not in a hang)."""
     gateway_keepalive_timeout_s: float = 75.0
     """How long an idle keep-alive connection (or one that never sends a request) stays open."""
+    gateway_events_lookback_s: float = 3600.0
+    """How far back the dashboard reads the event log at start (recent tasks, failures, the
+    reaper's moves, the charts); the metrics count only what happens after the start."""
+    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
+    """Liveness, as the router and the reaper judge it: the dashboard shows a worker whose
+    heartbeat is older than this as lost."""
 
     def check(self) -> None:
         if not 0 < self.gateway_port < 65536:
@@ -327,8 +378,14 @@ class GatewaySettings(Settings, frozen=True, kw_only=True):
             raise ConfigError("GATEWAY_REPLY_TIMEOUT_S must be a positive number of seconds")
         if self.gateway_retry_after_s < 0:
             raise ConfigError("GATEWAY_RETRY_AFTER_S must not be negative")
+        if self.gateway_reask_s <= 0:
+            raise ConfigError("GATEWAY_REASK_S must be a positive number of seconds")
         if self.gateway_max_body_bytes <= 0:
             raise ConfigError("GATEWAY_MAX_BODY_BYTES must be a positive number of bytes")
+        if self.gateway_events_lookback_s < 0:
+            raise ConfigError("GATEWAY_EVENTS_LOOKBACK_S must not be negative")
+        if self.worker_ttl_s <= 0:
+            raise ConfigError("WORKER_TTL_S must be a positive number of seconds")
         for name in ("header", "body", "keepalive"):
             if getattr(self, f"gateway_{name}_timeout_s") <= 0:
                 raise ConfigError(
@@ -343,10 +400,48 @@ class SetupSettings(Settings, frozen=True, kw_only=True):
     """The registry bucket's TTL: keep it equal to the workers' and the router's."""
     events_max_age_s: float = 0.0
     """How long events are kept; 0 keeps every event (the statistics can be rebuilt from all)."""
+    nats_replicas: int | None = None
+    """How many servers of a JetStream cluster keep each stream and bucket (``--replicas``
+    says the same). Unset: new ones get 1, existing ones keep theirs."""
 
     def check(self) -> None:
         if self.worker_ttl_s <= 0 or self.events_max_age_s < 0:
             raise ConfigError("WORKER_TTL_S must be positive and EVENTS_MAX_AGE_S not negative")
+        if self.nats_replicas is not None:
+            check_replicas(self.nats_replicas, "NATS_REPLICAS")
+
+
+def check_replicas(replicas: int, name: str) -> None:
+    """A stream's replica count is 1 to `MAX_REPLICAS` (JetStream's limit)."""
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise ConfigError(f"{name} must be 1 to {MAX_REPLICAS} (JetStream's limit), not {replicas}")
+
+
+class DoctorSettings(Settings, frozen=True, kw_only=True):
+    """``coordinator doctor``: on a JetStream cluster, the system account's user, which alone
+    may read the cluster's meta group (its peers and leader)."""
+
+    nats_system_user: str | None = None
+    nats_system_password: str | None = None
+
+    def check(self) -> None:
+        if (self.nats_system_user is None) != (self.nats_system_password is None):
+            raise ConfigError(
+                "NATS_SYSTEM_USER and NATS_SYSTEM_PASSWORD go together: set both or neither"
+            )
+
+    def system_auth(self) -> NatsAuth | None:
+        """The system user's credentials (with this process's TLS settings), or None."""
+        if self.nats_system_user is None:
+            return None
+        return msgspec.structs.replace(
+            self.nats_auth(),
+            user=self.nats_system_user,
+            password=self.nats_system_password,
+            token=None,
+            creds=None,
+            inbox_prefix=None,
+        )
 
 
 class UpSettings(Settings, frozen=True, kw_only=True):

@@ -76,6 +76,35 @@ def test_a_cli_command_fails_at_once_naming_nats_when_nothing_listens(
     assert time.monotonic() - began < 20
 
 
+def test_a_cli_command_given_a_cluster_names_every_url_it_tried() -> None:
+    urls = [f"nats://127.0.0.1:{free_port()}" for _ in range(3)]
+    result = run_cli("workers", env=clean_env(NATS_URL=",".join(urls)), timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"error unavailable: cannot reach NATS at {', '.join(urls)}: connection refused"
+    )
+
+
+async def test_a_client_given_a_cluster_connects_to_a_server_that_is_up(
+    nats_server: NatsServer,
+) -> None:
+    # The first two are down: each is tried, and the third one answers.
+    down = [f"nats://127.0.0.1:{free_port()}" for _ in range(2)]
+    nc = await connect(",".join([*down, nats_server.url]), "test", connect_timeout_s=5.0)
+    try:
+        assert nc.connected_url is not None and nc.connected_url.port == nats_server.port
+    finally:
+        await nc.close()
+
+
+def test_a_malformed_server_in_nats_url_stops_a_service_naming_it() -> None:
+    result = run_cli(
+        "router", env=clean_env(NATS_URL="nats://127.0.0.1:4222, nats://a host:4222"), timeout=30
+    )
+    assert result.returncode == 2
+    assert "NATS_URL: 'nats://a host:4222' is malformed" in result.stderr
+
+
 def test_a_cli_command_gives_up_on_a_server_that_never_answers() -> None:
     with silent_server() as url:
         result = run_cli("workers", env=clean_env(NATS_URL=url), timeout=30)

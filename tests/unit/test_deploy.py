@@ -14,6 +14,13 @@ import msgspec
 import pytest
 import yaml
 
+from services.cli.cluster import (
+    EXAMPLE_CLUSTER,
+    EXAMPLE_NODES,
+    parse_routes,
+    render_cluster_conf,
+    routes_value,
+)
 from services.cli.main import build_parser
 from services.cli.permissions import (
     EXAMPLE_WEB_WORKERS,
@@ -115,6 +122,47 @@ def test_compose_users_and_passwords_are_those_of_the_nats_configuration() -> No
     assert services["web_search"]["environment"]["WORKER_ID"] in EXAMPLE_WEB_WORKERS
 
 
+def test_the_cluster_profile_runs_three_nodes_with_the_rendered_configurations() -> None:
+    services = compose()["services"]
+    nodes = {name: s for name, s in services.items() if "cluster" in (s.get("profiles") or [])}
+    assert set(nodes) == set(EXAMPLE_NODES)
+    single = set(services["nats"]["environment"])
+    example = read_env_file(DEPLOY_DIR / "example.env")
+    for name, node in nodes.items():
+        env = node["environment"]
+        # The single server's users, the routes' password and URLs, the system user.
+        assert set(env) == single | {"CLUSTER_PASSWORD", "SYSTEM_PASSWORD", "CLUSTER_ROUTES"}
+        assert env["CLUSTER_ROUTES"] == routes_value(
+            parse_routes(",".join(EXAMPLE_NODES)), "${CLUSTER_PASSWORD:-}"
+        )
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in node["volumes"]}
+        conf = mounts["/etc/nats/nats-server.conf"]
+        assert conf == f"./deploy/nats/cluster/{name}.conf", name
+        assert mounts["/var/lib/nats"] == f"{name}-data", name
+        assert node["command"][-1].endswith("exec nats-server -c /etc/nats/nats-server.conf")
+    assert {"CLUSTER_PASSWORD", "SYSTEM_PASSWORD"} <= set(example)
+    # Every service can be pointed at the cluster, and setup given its replicas.
+    assert compose()["x-common-env"]["NATS_URL"] == "${NATS_URL:-nats://nats:4222}"
+    assert services["setup"]["environment"]["NATS_REPLICAS"] == "${NATS_REPLICAS:-}"
+
+
+def test_the_committed_cluster_configurations_are_the_renderings_of_the_permissions() -> None:
+    routes = ",".join(EXAMPLE_NODES)
+    for node in EXAMPLE_NODES:
+        committed = (DEPLOY_DIR / "nats" / "cluster" / f"{node}.conf").read_text()
+        rendered = render_cluster_conf(
+            EXAMPLE_CLUSTER, routes, node, EXAMPLE_WORKERS, EXAMPLE_WEB_WORKERS
+        )
+        assert committed == rendered, (
+            f"re-render: coordinator deploy render nats --cluster {EXAMPLE_CLUSTER} --routes "
+            f"{routes} --node {node} --worker cpu1 --web-worker search1 "
+            f"> deploy/nats/cluster/{node}.conf"
+        )
+        # The same users as the single server's configuration.
+        single = (DEPLOY_DIR / "nats" / "nats-server.conf").read_text()
+        assert committed.endswith(single[single.index("authorization {") :])
+
+
 def test_the_image_is_installed_by_the_same_script_as_ci() -> None:
     dockerfile = (DEPLOY_DIR / "Dockerfile").read_text()
     runs = [
@@ -191,3 +239,8 @@ def test_deploy_render_commands_parse() -> None:
     parses(["doctor", "--unit-dir", "/tmp"])
     parses(["health", "reaper"])
     parses(["setup"])
+    assert parses(["setup", "--replicas", "3"]).replicas == 3
+    args = parses(
+        ["deploy", "render", "nats", "--cluster", "c", "--routes", "a,b,c", "--node", "b"]
+    )
+    assert (args.cluster, args.routes, args.node) == ("c", "a,b,c", "b")
