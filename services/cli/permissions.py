@@ -260,6 +260,8 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 "events.task.*.routed",
                 "events.task.*.failed",
                 "events.worker.>",
+                # A moved task's older attempts are told to stop.
+                "coordinator.cancel.*",
                 *_KV_WATCH,
                 *_ALIASES,
                 f"$SRV.PING.{REAPER_SERVICE}",  # its health check
@@ -274,7 +276,7 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
             responses=ONE_REPLY,
         )
     if role == "gateway":
-        keys = _kv(GATEWAY_KEYS_BUCKET)
+        keys, registry = _kv(GATEWAY_KEYS_BUCKET), _kv(WORKERS_BUCKET)
         return Permissions(
             publish=[
                 ROUTE,
@@ -282,13 +284,29 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 WORKERS,
                 STATS,
                 CANCEL,
+                # The dashboard's reads: exclusions, bench baselines, what the reaper does.
+                STATS_EXCLUSIONS,
+                STATS_BASELINES,
+                REAPER_STATUS,
                 # It watches the API keys (their hashes); only the operator writes them.
                 f"$JS.API.STREAM.INFO.{keys}",
                 f"$JS.API.CONSUMER.CREATE.{keys}",
                 f"$JS.API.CONSUMER.CREATE.{keys}.>",
                 f"$JS.API.CONSUMER.INFO.{keys}.*",
+                # The dashboard and the metrics: the registry (watched), the event log (read
+                # through named ordered consumers, whose create request names the filter; it
+                # publishes no event), its size, and the stats projection's lag.
+                f"$JS.API.STREAM.INFO.{registry}",
+                f"$JS.API.CONSUMER.CREATE.{registry}",
+                f"$JS.API.CONSUMER.CREATE.{registry}.>",
+                f"$JS.API.CONSUMER.INFO.{registry}.*",
+                f"$JS.API.STREAM.INFO.{EVENTS_STREAM}",
+                f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.*.events.>",
+                f"$JS.API.CONSUMER.INFO.{EVENTS_STREAM}.{STATS_CONSUMER}",
                 "$JS.FC.>",
             ],
+            # The stats service's durable consumer on the event log must not be re-filtered.
+            publish_deny=[f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.{STATS_CONSUMER}.>"],
             subscribe=[_own_inbox(user), *_MICRO],
             responses=ONE_REPLY,  # its health PING
         )
@@ -376,14 +394,20 @@ def render_nats_user(role: str, worker_id: str | None = None) -> str:
 NATS_ROLES: Final = ("router", "stats", "reaper", "gateway", "client", "jobs", "operator")
 
 
-def render_nats_conf(workers: Iterable[str], web_workers: Iterable[str]) -> str:
-    """The whole server configuration: JetStream, and one user per role and worker."""
-    template = (DEPLOY_DIR / "nats" / "nats-server.conf.in").read_text()
+def render_nats_users(workers: Iterable[str], web_workers: Iterable[str]) -> str:
+    """The configuration's ``users`` list: admin, one user per role and one per worker (the
+    same for a single server and for every node of a cluster)."""
     users = [f"    {{ user: admin, password: ${password_variable('admin')} }}\n"]
     users += [render_nats_user(role) for role in NATS_ROLES]
     users += [render_nats_user("worker", w) for w in workers]
     users += [render_nats_user("web-search", w) for w in web_workers]
-    return template.replace("@USERS@\n", "".join(users))
+    return "".join(users)
+
+
+def render_nats_conf(workers: Iterable[str], web_workers: Iterable[str]) -> str:
+    """The whole server configuration: JetStream, and one user per role and worker."""
+    template = (DEPLOY_DIR / "nats" / "nats-server.conf.in").read_text()
+    return template.replace("@USERS@\n", render_nats_users(workers, web_workers))
 
 
 # Who the committed deploy/nats/nats-server.conf is rendered for (docker-compose.yml's fleet).

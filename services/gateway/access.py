@@ -24,10 +24,10 @@ from schemas.subjects import GATEWAY_KEYS_BUCKET
 from services.gateway.common import ApiError, Shape
 from services.gateway.keys import (
     INVALID_API_KEY,
-    PUBLIC_PATHS,
     KeyTable,
     Refusal,
     api_of,
+    is_public,
     record_decoder,
 )
 from services.gateway.ollama_answers import OllamaShape
@@ -112,7 +112,7 @@ class Access:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Refuse a request without a known key when keys are required; else note the key's
         name (`CLIENT`) and bind it to the request's log lines."""
-        if request.path in PUBLIC_PATHS:
+        if is_public(request.path):
             return await handler(request)
         found = self.table.identify(request.headers.get("Authorization"))
         if isinstance(found, Refusal):

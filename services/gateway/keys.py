@@ -35,6 +35,10 @@ INVALID_API_KEY: Final = InvalidApiKey.code
 # Ollama CLI and Open WebUI's connection check use. They tell the Ollama API version and the
 # gateway's, nothing about the fleet.
 PUBLIC_PATHS: Final = frozenset({"/", "/api/version"})
+# The dashboard's page and its files: the same for everyone, nothing about the fleet in them
+# (its data, ``/dashboard/state`` and ``/dashboard/stream``, needs the key).
+DASHBOARD_PAGE: Final = "/dashboard"
+DASHBOARD_FILES: Final = "/dashboard/static/"
 
 Api = Literal["ollama", "openai", "task"]
 
@@ -98,11 +102,19 @@ def bearer_token(header: str | None) -> str | None:
     return token
 
 
+def is_public(path: str) -> bool:
+    """Is ``path`` answered without a key (the probes, the dashboard's page and files)?"""
+    return path in PUBLIC_PATHS or path == DASHBOARD_PAGE or path.startswith(DASHBOARD_FILES)
+
+
 def api_of(path: str) -> Api:
-    """Which API a path belongs to, so a refusal comes in that API's error shape."""
+    """Which API a path belongs to, so a refusal comes in that API's error shape (the
+    dashboard's data and ``/metrics`` use the project's own, as the task API does)."""
     if path == "/v1" or path.startswith("/v1/"):
         return "openai"
-    if path in {"/route", "/task"} or path.startswith("/task/"):
+    if path in {"/route", "/task", DASHBOARD_PAGE, "/metrics"} or path.startswith(
+        ("/task/", f"{DASHBOARD_PAGE}/")
+    ):
         return "task"
     return "ollama"
 

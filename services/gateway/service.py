@@ -11,6 +11,9 @@ the API modules (`ollama_api`, `ollama_answers`, `openai_api`, `openai_answers`,
 Every request ends in one ``request`` log line (path, model, status, code, and the task when
 there was one), refusals before routing included.
 
+The dashboard (``/dashboard``) and Prometheus' ``/metrics`` are `dashboard`, fed from the bus
+by `feed` (the registry, the event log, the read-only endpoints).
+
 Who may ask is `access` (API keys from the ``gateway_keys`` bucket, their checks in `keys`):
 a request that needs a key and lacks one is a 401 before any handler runs, and the key's name
 travels with the task as ``client``. Slow clients are bounded: the header by `connections`,
@@ -37,6 +40,8 @@ from services.gateway.access import Access, client_of
 from services.gateway.bus import QUERY_TIMEOUT_S, FleetBus
 from services.gateway.common import OLLAMA_API_VERSION, ApiError, Ask, Instant, Shape, model_named
 from services.gateway.connections import GuardedSite, HeaderDeadline
+from services.gateway.dashboard import Dashboard
+from services.gateway.feed import Feed
 from services.gateway.fleet import Served
 from services.gateway.keys import always_keyed, is_loopback, open_refusal
 from services.gateway.ollama_answers import OllamaEmbedShape, OllamaShape, ollama_pull
@@ -72,6 +77,8 @@ class Gateway:
             retry_after_s=settings.gateway_retry_after_s,
         )
         self.deadline = HeaderDeadline(settings.gateway_header_timeout_s)
+        self.feed = Feed(nc, self.bus, settings)
+        self.dashboard = Dashboard(self.feed)
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -103,6 +110,7 @@ class Gateway:
         routes.add_post("/v1/embeddings", self.v1_embeddings)
         routes.add_post("/route", self.route)
         routes.add_get("/task/{task_id}", self.task)
+        self.dashboard.add_routes(routes)
         return app
 
     # -- small endpoints -------------------------------------------------------------------------
@@ -343,6 +351,7 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
     try:
         await gateway.replies.start()
         await gateway.access.start(nc)
+        await gateway.feed.start()
         keys = len(gateway.access.table)
         why = open_refusal(settings.gateway_host, allow_open=settings.gateway_allow_open, keys=keys)
         if why is not None:
@@ -369,8 +378,10 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
         try:
             await stop.wait()
         finally:
+            gateway.feed.close()  # the dashboard's streams end, so the server stops at once
             await runner.cleanup()
     finally:
+        await gateway.feed.stop()
         await gateway.tasks.wait(timeout_s=2.0)
         await gateway.access.stop()
         await gateway.replies.stop()

@@ -51,9 +51,9 @@ class AliasFollower:
             stream=EVENTS_STREAM,
             ordered_consumer=True,
             cb=self._on_msg,
-            config=ConsumerConfig(name=_consumer_name()),
+            config=ConsumerConfig(name=consumer_name("aliases")),
         )
-        _rename_on_reset(self._sub)
+        rename_on_reset(self._sub, "aliases")
         deadline = asyncio.get_running_loop().time() + timeout_s
         sub = self._sub
         while (await sub.consumer_info()).num_pending or sub.pending_msgs:
@@ -82,13 +82,15 @@ class AliasFollower:
             self.on_change()
 
 
-def _consumer_name() -> str:
-    return f"aliases-{uuid.uuid4().hex[:16]}"
+def consumer_name(prefix: str) -> str:
+    """A fresh name for a named ordered consumer: ``<prefix>-<random>``."""
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-def _rename_on_reset(sub: Any) -> None:
+def rename_on_reset(sub: Any, prefix: str) -> None:
     """An ordered consumer is recreated after a gap or lost heartbeats; nats-py would reuse the
-    name, which the server refuses while the old consumer lingers. Give each one a new name.
+    name, which the server refuses while the old consumer lingers. Give each one a new name
+    (`consumer_name`).
 
     (nats-py 2.16's ``_JSI.reset_ordered_consumer``, which both of its reset paths call.)
     """
@@ -96,7 +98,7 @@ def _rename_on_reset(sub: Any) -> None:
     reset = jsi.reset_ordered_consumer
 
     async def reset_renamed(sseq: int | None) -> bool:
-        jsi._ccreq.name = _consumer_name()
+        jsi._ccreq.name = consumer_name(prefix)
         return bool(await reset(sseq))
 
     jsi.reset_ordered_consumer = reset_renamed

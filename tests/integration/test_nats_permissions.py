@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import pytest
 from nats.aio.client import Client
@@ -20,7 +21,14 @@ from structlog.testing import capture_logs
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.events import ALIAS_EVENTS, AliasSet, ExclusionAdded
-from schemas.subjects import EVENTS_STREAM, ROUTE, TASK, TASKS_STREAM, inbox_prefix
+from schemas.subjects import (
+    EVENTS_STREAM,
+    ROUTE,
+    STATS_CONSUMER,
+    TASK,
+    TASKS_STREAM,
+    inbox_prefix,
+)
 from services.cli.health import check_health, setup_streams
 from services.cli.permissions import (
     EXAMPLE_WEB_WORKERS,
@@ -36,7 +44,14 @@ from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.errors import Unavailable
 from services.runtime.settings import NatsAuth, ReaperSettings, StatsSettings
 from services.stats.service import run as run_stats
-from tests.harness import COORDINATOR, ServiceRunner, clean_env, eventually, request
+from tests.harness import (
+    COORDINATOR,
+    ServiceRunner,
+    clean_env,
+    eventually,
+    request,
+    workers_live,
+)
 
 USERS = [
     "admin",
@@ -319,3 +334,65 @@ def test_a_service_with_wrong_credentials_stops_at_once_saying_so(secured: NatsS
     assert done.returncode == 2, done.stdout + done.stderr
     assert "refused this service's credentials" in done.stdout + done.stderr
     assert "NATS_USER/NATS_PASSWORD" in done.stdout + done.stderr
+
+
+async def test_the_gateway_shows_the_fleet_under_its_own_user_and_writes_nothing(
+    secured: NatsServer, admin: Client, ollama: FakeOllama, runner: ServiceRunner, pg_dsn: str
+) -> None:
+    """The dashboard's and the metrics' reads (the registry's watch, the event log through
+    ordered consumers, the stream's state, the stats consumer's lag, the endpoints) all pass
+    under the gateway's user; it may still publish no event nor re-filter the stats
+    service's consumer."""
+    from tests.integration.test_gateway import start_gateway
+
+    with capture_logs() as logs:
+        run_fleet(runner, secured.url, ollama.url, pg_dsn=pg_dsn, reaper=True)
+        url = await start_gateway(
+            runner, secured.url, nats_user="gateway", nats_password=password("gateway")
+        )
+        client = await connect_as(secured, "client")
+        errors = Violations()
+        gateway = await connect_as(secured, "gateway", errors)
+        try:
+            await workers_live(client, 1)
+            body = {"prompt": "1+1?", "model": "qwen2.5:0.5b", "wait": True}
+            reply, _ = await request(client, ROUTE, body, timeout_s=20.0)
+            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+
+                async def shown() -> dict[str, Any] | None:
+                    state = (await http.get("/dashboard/state")).json()
+                    summary, done = state["summary"], state["tasks"]["done"]
+                    complete = (
+                        not summary["unavailable"]
+                        and summary["reaper"] is not None
+                        and summary["event_log"] is not None
+                        and summary["stats_lag"] == 0
+                        and [w["worker_id"] for w in state["workers"]] == [WORKER]
+                        and [d["task_id"] for d in done] == [reply["task_id"]]
+                    )
+                    return state if complete else None
+
+                await eventually(shown, timeout_s=20.0, interval_s=0.3)
+                metrics = (await http.get("/metrics")).text
+            assert (
+                'coordinator_task_outcomes_total{kind="inference",model="qwen2.5:0.5b",'
+                f'outcome="done",worker="{WORKER}"}} 1.0'
+            ) in metrics
+            js = gateway.jetstream(timeout=1.0)
+            attempts = await asyncio.gather(
+                js.publish("events.task.t1.completed", b"{}"),
+                js.add_consumer(
+                    EVENTS_STREAM, ConsumerConfig(name=STATS_CONSUMER, filter_subject="events.>")
+                ),
+                return_exceptions=True,
+            )
+            assert all(isinstance(a, Exception) for a in attempts), attempts
+            await asyncio.sleep(0.2)
+            assert errors.about('publish to "events.task.t1.completed"'), errors.seen
+            assert errors.about(f"$JS.API.CONSUMER.CREATE.EVENTS.{STATS_CONSUMER}.events.>")
+        finally:
+            await gateway.close()
+            await client.close()
+        await runner.stop_all()
+    denied = [e for e in logs if "permissions violation" in str(e.get("error", "")).lower()]
+    assert denied == []

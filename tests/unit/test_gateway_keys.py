@@ -21,6 +21,7 @@ from services.gateway.keys import (
     bearer_token,
     check_key_name,
     is_loopback,
+    is_public,
     key_hash,
     make_record,
     new_key,
@@ -93,10 +94,36 @@ def test_the_authorization_header(header: str | None, token: str | None) -> None
         ("/v10", "ollama"),
         ("/route", "task"),
         ("/task/t-1", "task"),
+        ("/dashboard", "task"),
+        ("/dashboard/stream", "task"),
+        ("/metrics", "task"),
+        ("/dashboards", "ollama"),
     ],
 )
 def test_each_path_answers_in_its_apis_shape(path: str, api: str) -> None:
     assert api_of(path) == api
+
+
+@pytest.mark.parametrize(
+    ("path", "public"),
+    [
+        ("/", True),
+        ("/api/version", True),
+        ("/dashboard", True),
+        ("/dashboard/static/dashboard.js", True),
+        ("/dashboard/state", False),
+        ("/dashboard/stream", False),
+        ("/dashboard/", False),
+        ("/dashboard/staticx", False),
+        ("/metrics", False),
+        ("/api/tags", False),
+    ],
+)
+def test_only_the_probes_and_the_dashboards_page_and_files_need_no_key(
+    path: str, public: bool
+) -> None:
+    """The page and its files are the same for everyone; the fleet's data needs the key."""
+    assert is_public(path) is public
 
 
 @pytest.mark.parametrize(
@@ -193,7 +220,15 @@ def test_the_timeouts_are_settings_checked_at_start() -> None:
         settings.gateway_allow_open,
     ) == (10.0, 60.0, 75.0, False)
     assert GatewaySettings.from_env({"GATEWAY_ALLOW_OPEN": "1"}).gateway_allow_open
-    for variable in ("GATEWAY_HEADER_TIMEOUT_S", "GATEWAY_BODY_TIMEOUT_S"):
+    assert (settings.gateway_events_lookback_s, settings.worker_ttl_s) == (3600.0, 3.0)
+    for variable in (
+        "GATEWAY_HEADER_TIMEOUT_S",
+        "GATEWAY_BODY_TIMEOUT_S",
+        "WORKER_TTL_S",
+    ):
         with pytest.raises(ConfigError) as error:
             GatewaySettings.from_env({variable: "0"})
         assert variable in error.value.message
+    with pytest.raises(ConfigError) as lookback:
+        GatewaySettings.from_env({"GATEWAY_EVENTS_LOOKBACK_S": "-1"})
+    assert "GATEWAY_EVENTS_LOOKBACK_S" in lookback.value.message
