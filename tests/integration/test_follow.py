@@ -145,14 +145,14 @@ async def test_the_gateway_asks_again_when_its_router_dies_and_its_clients_get_w
 
         # A whole answer (the official ollama client) whose router dies while it waits.
         fake.delay_s = 3.0
-        oc = ollama_client.AsyncClient(host=url)
-        chat = asyncio.create_task(
-            oc.chat(model=MODEL, messages=[{"role": "user", "content": "what is 6*7"}])
-        )
-        await eventually(lambda: _running(nc), timeout_s=15)
-        kill(first)
-        second = start_router(processes, nats_server)
-        answer = await asyncio.wait_for(chat, 30)
+        async with ollama_client.AsyncClient(host=url) as oc:
+            chat = asyncio.create_task(
+                oc.chat(model=MODEL, messages=[{"role": "user", "content": "what is 6*7"}])
+            )
+            await eventually(lambda: _running(nc), timeout_s=15)
+            kill(first)
+            second = start_router(processes, nats_server)
+            answer = await asyncio.wait_for(chat, 30)
         assert answer.message.content == "42"
 
         # A stream (the official openai client) whose router dies mid-answer: the pieces
@@ -160,16 +160,16 @@ async def test_the_gateway_asks_again_when_its_router_dies_and_its_clients_get_w
         fake.delay_s = 0.0
         fake.chunk_delay_s = 0.3
         prompt = "tell me about " + " ".join(f"item{i}" for i in range(12))
-        ai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
         pieces: list[str] = []
 
         async def stream() -> None:
-            chunks = await ai.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": prompt}], stream=True
-            )
-            async for chunk in chunks:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    pieces.append(chunk.choices[0].delta.content)
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as ai:
+                chunks = await ai.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": prompt}], stream=True
+                )
+                async for chunk in chunks:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        pieces.append(chunk.choices[0].delta.content)
 
         async def some_pieces() -> bool:
             return len(pieces) >= 3
@@ -180,7 +180,6 @@ async def test_the_gateway_asks_again_when_its_router_dies_and_its_clients_get_w
         start_router(processes, nats_server)
         await asyncio.wait_for(streaming, 40)
         assert "".join(pieces) == f"Echo from {MODEL}: {prompt}"
-        await ai.close()
 
 
 async def _running(nc: Client) -> bool:

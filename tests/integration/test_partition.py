@@ -196,5 +196,9 @@ async def test_a_worker_cut_off_mid_task_stops_before_its_task_runs_elsewhere(
 
 
 async def _a_live(client: Client) -> bool:
+    """Has the cut-off worker stored a heartbeat since the link came back?"""
     body, _ = await request(client, "coordinator.workers", {}, timeout_s=2.0)
-    return any(w["worker_id"] == "gpu-a" for w in body["workers"])
+    return any(
+        w["worker_id"] == "gpu-a" and time.time() - w["last_heartbeat"] < 1.0
+        for w in body["workers"]
+    )
