@@ -319,7 +319,16 @@ def cmd_workers(args: argparse.Namespace) -> int:
     if not reply.workers:
         print("no live workers")
         return 0
-    header = ("WORKER", "HOST", "TIER", "STATE", "HEALTH", "QUEUE", "HEARTBEAT", "MODELS")
+    header = (
+        "WORKER",
+        "HOST",
+        "TIER",
+        "STATE",
+        "HEALTH",
+        "QUEUE",
+        "HEARTBEAT",
+        "MODELS (*: in memory)",
+    )
     print("{:<20} {:<16} {:<4} {:<8} {:<8} {:>5} {:>9}  {}".format(*header))
     now = time.time()
     for w in reply.workers:
@@ -337,11 +346,14 @@ def cmd_workers(args: argparse.Namespace) -> int:
 
 
 def _with_capabilities(worker: queries.WorkerView) -> list[str]:
-    """Each model, with what it can do beyond plain generation: ``qwen3:8b (tools,thinking)``."""
+    """Each model, marked ``*`` when its backend holds it in memory (no cold load), with what
+    it can do beyond plain generation: ``qwen3:8b* (tools,thinking)``."""
     shown = []
+    resident = set(worker.resident or ())
     for model in worker.models:
+        name = f"{model}*" if model in resident else model
         extra = [c for c in facts_in(worker.facts, model).capabilities if c != COMPLETION]
-        shown.append(f"{model} ({','.join(extra)})" if extra else model)
+        shown.append(f"{name} ({','.join(extra)})" if extra else name)
     return shown
 
 

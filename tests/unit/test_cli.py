@@ -35,3 +35,21 @@ def test_a_config_error_exits_2_naming_the_variable(
         main(["stats", "serve"])
     assert exit_info.value.code == 2
     assert "error config: PG_DSN is required" in capsys.readouterr().err
+
+
+def test_workers_marks_the_models_a_backend_holds_in_memory() -> None:
+    from schemas.models import ModelFacts
+    from schemas.queries import WorkerView
+    from services.cli.main import _with_capabilities
+
+    worker = WorkerView(
+        worker_id="gpu1",
+        host="pc",
+        tier="gpu",
+        models=["qwen3:8b", "gemma3:4b"],
+        state="idle",
+        last_heartbeat=0.0,
+        facts=[ModelFacts(name="qwen3:8b", capabilities=["completion", "tools"])],
+        resident=["qwen3:8b"],
+    )
+    assert _with_capabilities(worker) == ["qwen3:8b* (tools)", "gemma3:4b"]
