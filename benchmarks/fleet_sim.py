@@ -1,18 +1,21 @@
 """Completion times over a simulated fleet of dissimilar hosts, routed by the routing policy
-before and after it counted cold loads, the work queued ahead in time and the GPU preference.
+before and after it counted cold loads, the work queued ahead in time, the GPU preference and
+the models a load pushes out of memory.
 
     .venv/bin/python -m benchmarks.fleet_sim [--seeds 1,2,3,4,5] [--requests 3000]
                                             [--busy-rates 1,1.4,1.8] [--preference 2]
+                                            [--eviction ollama|lru]
 
 A seeded trace of requests (Poisson arrivals, ten minutes busy then ten quiet at
 `QUIET_RATE`, five models from 0.5B to 12B of unequal popularity, each request's length
 drawn once) is replayed, per busy rate (requests per second) and seed, over `HOSTS`: a Mac
 and a gaming PC with GPUs, three CPU boxes, each with its own speed and cold-load time per
-model and its own memory. A host runs one generation at a time, loads a
-model that is not in memory (pushing out the least recently used ones until it fits, as
-Ollama does) and unloads a model unused for `KEEP_ALIVE_S`. It pulls its own queue first,
-then the shared CPU queue. Nothing here is random but the trace: the same seed gives the
-same figures.
+model and its own memory. A host runs one generation at a time, loads a model that is not in
+memory, pushing others out as ``--eviction`` says (`Eviction`: by default as Ollama's
+scheduler does), and unloads a model unused for `KEEP_ALIVE_S`. Its worker starts with a
+sanity run of each model, as a real one does (those loads are not counted). It pulls its own
+queue first, then the shared CPU queue. Nothing here is random but the trace: the same seed
+gives the same figures.
 
 Each request is routed, at its arrival, by the real pure code:
 
@@ -22,22 +25,27 @@ Each request is routed, at its arrival, by the real pure code:
   saying what it holds in memory);
 - **after**: what the router does now (`services.router.decide.decide` over a
   `services.router.view.FleetView`): the work ahead in time, a cold load where the model is
-  not in memory, and ``--preference`` (``GPU_PREFERENCE``).
+  not in memory, what that load pushes out, and ``--preference`` (``GPU_PREFERENCE``), with
+  the workers' memory limits as they learn them (no ``WORKER_MEMORY_GB``);
+- **after+mem**: the same with each worker's ``WORKER_MEMORY_GB`` set to its host's memory.
 
 The router's view is fed as the services feed it: figures as the stats service computes them
 (p50 of the total and of the total less the load, p50 of the loads of 100 ms or more, per
 model and worker) after every completion; the tasks routed and ended; and, after, each
-host's models in memory as its worker reports them: at every task end
-(`services.fleet.health.resident_after_task`: the model that ran, read again after a load)
-and on the idle probe every `PROBE_S`; with the model each is running, as its heartbeat
-says. Prints, per busy rate and rule, the medians over the seeds of the mean, p50 and p95
-completion time (arrival to end), cold loads and the share run on CPU hosts, and writes
-every run to ``benchmarks/results/fleet_sim-<time>.json``.
+host's models in memory as its worker reports them (`services.worker.probe`): what
+``/api/ps`` lists after each sanity run, at a task end that loaded its model, and on the idle
+probe every `PROBE_S`, with the memory each model takes and the most seen held at once
+(`services.fleet.health.memory_seen`); after any other task, the model that ran
+(`services.fleet.health.resident_after_task`); with the model each is running, as its
+heartbeat says. Prints, per busy rate and rule, the medians over the seeds of the mean, p50
+and p95 completion time (arrival to end), cold loads and the share run on CPU hosts, and
+writes every run to ``benchmarks/results/fleet_sim-<time>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import heapq
 import math
 import random
@@ -46,11 +54,12 @@ from bisect import insort
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import msgspec
 
 from benchmarks.routing import worker_record
+from schemas.models import ModelFacts
 from schemas.route import RouteRequest
 from schemas.stats import COLD_LOAD_MIN_MS
 from schemas.workers import WorkerRecord
@@ -63,6 +72,17 @@ DOMAIN: Final = "general"
 # Ollama's default keep_alive, and the worker's idle probe (HEALTH_INTERVAL_S).
 KEEP_ALIVE_S: Final = 300.0
 PROBE_S: Final = 30.0
+# Ollama's default OLLAMA_MAX_LOADED_MODELS: 3 per GPU, 3 for a CPU.
+MAX_LOADED_MODELS: Final = 3
+
+RULES: Final = ("before", "after", "after+mem")
+
+Eviction = Literal["ollama", "lru"]
+"""What a load pushes out of a host's memory. ``ollama``: as Ollama's scheduler does
+(``server/sched.go``: at most `MAX_LOADED_MODELS` models, and while the new one does not fit
+or one too many would be loaded, the idle model with the shortest ``keep_alive`` goes first,
+then by the path of its file). ``lru``: the least recently used first, as many as fit (the
+model of the figures before this one)."""
 # Arrivals: requests per second in the busy stretches (light, moderate, heavy: the two GPU
 # hosts alone run about 2 a second when nothing needs loading), the quiet ones, each this long.
 BUSY_RATES: Final = (1.0, 1.4, 1.8)
@@ -167,23 +187,33 @@ def trace(seed: int, count: int, busy_rate: float) -> list[Request]:
     return requests
 
 
+def blob(model: str) -> str:
+    """A stand-in for the path of the model's file in Ollama's store (``blobs/sha256-…``,
+    named by its digest): Ollama unloads in the order of these paths."""
+    return "sha256-" + hashlib.sha256(model.encode()).hexdigest()
+
+
 @dataclass
 class Machine:
     """A host as it runs: its queue, what it runs, what it holds in memory."""
 
     host: Host
+    eviction: Eviction = "ollama"
     queue: deque[int] = field(default_factory=deque)
     running: int | None = None
     idle_since: float = 0.0
     # model -> when it was last used, least recently used first
     memory: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    # What its worker last said it holds (services.worker.probe), by model name.
+    # What its worker last said it holds (services.worker.probe), by model name, and what
+    # it has seen its backend hold (services.fleet.health.memory_seen).
     reported: frozenset[str] = frozenset()
+    seen: health.MemorySeen = field(default_factory=health.MemorySeen)
     loads: int = 0
 
-    def in_memory(self, now: float) -> frozenset[str]:
-        """What the backend's /api/ps lists at ``now`` (keep-alive not run out)."""
-        return frozenset(m for m, used in self.memory.items() if now - used < KEEP_ALIVE_S)
+    def in_memory(self, now: float) -> dict[str, int]:
+        """What the backend's /api/ps lists at ``now`` (keep-alive not run out), with the
+        bytes each model takes."""
+        return {m: size_of(m) for m, used in self.memory.items() if now - used < KEEP_ALIVE_S}
 
     def start(self, model: str, now: float) -> float:
         """Begin a task of ``model``: the load time it needs first (0 when in memory)."""
@@ -194,11 +224,24 @@ class Machine:
             self.memory[model] = now
             return 0.0
         need = MODELS[model][0]
-        while self.memory and sum(MODELS[m][0] for m in self.memory) + need > self.host.memory_gb:
-            self.memory.popitem(last=False)
+        limit = MAX_LOADED_MODELS if self.eviction == "ollama" else math.inf
+        while self.memory and (
+            sum(MODELS[m][0] for m in self.memory) + need > self.host.memory_gb
+            or len(self.memory) >= limit
+        ):
+            if self.eviction == "ollama":
+                # Every model has the default keep_alive, so the order is the file's path.
+                del self.memory[min(self.memory, key=blob)]
+            else:
+                self.memory.popitem(last=False)
         self.memory[model] = now
         self.loads += 1
         return self.host.speeds[model][1]
+
+
+def size_of(model: str) -> int:
+    """The bytes ``model`` takes loaded, as /api/ps says (and its file, as /api/tags says)."""
+    return round(MODELS[model][0] * 1e9)
 
 
 @dataclass
@@ -230,11 +273,21 @@ Route = Callable[[Request, int, float], policy.Decision]
 class Simulation:
     """One replay of the trace under one rule (``after``: the router's code as it is now)."""
 
-    def __init__(self, requests: list[Request], *, after: bool, preference: float) -> None:
+    def __init__(
+        self,
+        requests: list[Request],
+        *,
+        after: bool,
+        preference: float,
+        eviction: Eviction = "ollama",
+        memory_set: bool = False,
+    ) -> None:
         self.requests = requests
         self.after = after
+        # Each worker's WORKER_MEMORY_GB is its host's memory (else it reports what it saw).
+        self.memory_set = memory_set
         self.preference = preference
-        self.machines = {h.name: Machine(h) for h in HOSTS}
+        self.machines = {h.name: Machine(h, eviction) for h in HOSTS}
         self.shared: deque[int] = deque()
         self.view = FleetView()
         self.stats = Figures()
@@ -303,15 +356,36 @@ class Simulation:
         machine = self.machines[name]
         if machine.running is None and not machine.queue and now - machine.idle_since >= PROBE_S:
             probed = machine.idle_since + PROBE_S * ((now - machine.idle_since) // PROBE_S)
-            self._report(name, machine.in_memory(probed))
+            self._read(name, probed)
         return self.records[name]
 
-    def _report(self, name: str, resident: frozenset[str]) -> None:
+    def _read(self, name: str, now: float) -> None:
+        """The worker reads /api/ps: what is in memory, and what that says of the memory."""
         machine = self.machines[name]
-        if resident != machine.reported or self.records[name].resident is None:
+        loaded = machine.in_memory(now)
+        machine.seen = health.memory_seen(machine.seen, loaded)
+        self._report(name, frozenset(loaded))
+
+    def _report(self, name: str, resident: frozenset[str]) -> None:
+        """The worker's heartbeat says what it holds, as `services.worker.probe` reports it."""
+        machine = self.machines[name]
+        seen = machine.seen
+        record = self.records[name]
+        limit = round(machine.host.memory_gb * 1e9) if self.memory_set else None
+        memory_bytes = limit or seen.most_bytes or None
+        max_resident = seen.most_models or None
+        if (
+            resident != machine.reported
+            or record.resident is None
+            or (record.memory_bytes, record.max_resident) != (memory_bytes, max_resident)
+        ):
             machine.reported = resident
             self.records[name] = msgspec.structs.replace(
-                self.records[name], resident=sorted(resident)
+                record,
+                resident=sorted(resident),
+                model_memory=dict(seen.sizes),
+                memory_bytes=memory_bytes,
+                max_resident=max_resident,
             )
 
     def _heartbeat(self, name: str, running: str | None) -> None:
@@ -322,14 +396,19 @@ class Simulation:
         )
 
     def _register(self, name: str) -> None:
-        host = self.machines[name].host
-        self.records[name] = worker_record(
-            name,
-            list(host.speeds),
-            gpu=host.gpu,
-            heartbeat_at=0.0,
-            resident=[] if self.after else None,
+        """The worker starts: a sanity run of each model (which leaves what fits in memory,
+        not counted among the trace's loads), then it registers."""
+        machine = self.machines[name]
+        host = machine.host
+        self.records[name] = msgspec.structs.replace(
+            worker_record(name, list(host.speeds), gpu=host.gpu, heartbeat_at=0.0),
+            facts=[ModelFacts(name=m, size=size_of(m)) for m in host.speeds],
         )
+        for model in host.speeds:
+            machine.start(model, 0.0)
+            if self.after:
+                self._read(name, 0.0)
+        machine.loads = 0
 
     # -- the hosts -----------------------------------------------------------------------
 
@@ -369,7 +448,10 @@ class Simulation:
         if self.after:
             # As the worker says it: the model that ran, and after a load /api/ps read again.
             after, reread = health.resident_after_task(machine.reported, request.model, None)
-            self._report(name, machine.in_memory(now) if reread or after is None else after)
+            if reread or after is None:
+                self._read(name, now)
+            else:
+                self._report(name, after)
         self._next(name, now)
 
     def _at(self, when: float, kind: str, index: int) -> None:
@@ -395,7 +477,11 @@ class Simulation:
 
 
 def simulate(
-    seeds: list[int], count: int, preference: float, busy_rates: list[float]
+    seeds: list[int],
+    count: int,
+    preference: float,
+    busy_rates: list[float],
+    eviction: Eviction = "ollama",
 ) -> dict[str, Any]:
     """Both rules over the same traces, for each busy rate and seed; per rate and rule the
     median over the seeds of each figure (one trace's figures swing with a few bursts)."""
@@ -403,6 +489,8 @@ def simulate(
         "seeds": seeds,
         "requests": count,
         "gpu_preference": preference,
+        "eviction_weight": policy.EVICTION_WEIGHT,
+        "eviction": eviction,
         "quiet_rate": QUIET_RATE,
         "rates": [],
     }
@@ -411,10 +499,17 @@ def simulate(
         for seed in seeds:
             requests = trace(seed, count, busy_rate)
             run: dict[str, Any] = {"seed": seed, "trace_s": round(requests[-1].arrival)}
-            for rule, after in (("before", False), ("after", True)):
-                run[rule] = Simulation(requests, after=after, preference=preference).run()
+            for rule in RULES:
+                simulation = Simulation(
+                    requests,
+                    after=rule != "before",
+                    preference=preference,
+                    eviction=eviction,
+                    memory_set=rule == "after+mem",
+                )
+                run[rule] = simulation.run()
             rate["runs"].append(run)
-        for rule in ("before", "after"):
+        for rule in RULES:
             rate[rule] = {
                 name: statistics.median(run[rule][name] for run in rate["runs"])
                 for name in ("mean_s", "p50_s", "p95_s", "cold_loads", "on_cpu")
@@ -428,7 +523,8 @@ def print_table(figures: dict[str, Any]) -> None:
 
     print(
         f"{figures['requests']} requests per trace, seeds {figures['seeds']} (medians), "
-        f"{len(HOSTS)} hosts; after: GPU_PREFERENCE {figures['gpu_preference']:g}"
+        f"{len(HOSTS)} hosts, eviction {figures['eviction']}; after: GPU_PREFERENCE "
+        f"{figures['gpu_preference']:g}, eviction weight {figures['eviction_weight']:g}"
     )
     headers = ["busy req/s", "rule", "mean s", "p50 s", "p95 s", "cold loads", "on cpu"]
     rows = [
@@ -442,7 +538,7 @@ def print_table(figures: dict[str, Any]) -> None:
             f"{f['on_cpu']:.1%}",
         ]
         for rate in figures["rates"]
-        for rule in ("before", "after")
+        for rule in RULES
         for f in [rate[rule]]
     ]
     print(table(headers, rows))
@@ -454,10 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--preference", type=float, default=policy.DEFAULT_GPU_PREFERENCE)
     parser.add_argument("--busy-rates", default=",".join(f"{r:g}" for r in BUSY_RATES))
+    parser.add_argument("--eviction", choices=["ollama", "lru"], default="ollama")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.busy_rates.split(",")]
     seeds = [int(seed) for seed in args.seeds.split(",")]
-    figures = simulate(seeds, args.requests, args.preference, rates)
+    figures = simulate(seeds, args.requests, args.preference, rates, args.eviction)
     print_table(figures)
     from benchmarks.stack import write_result
 

@@ -10,8 +10,9 @@ cold-load time and failure rate: `Figures.estimates`), and `policy.choose`. The 
 synthetic and on the heavy side of real: every worker serves the requested model and two of
 nine others; one in four is a GPU worker; each has figures for its three models in three of
 the four domains (for half of them the request's domain is the one missing, which sends
-the lookups to their fallbacks), says which two of its models are in memory, and has one
-task of another model in flight.
+the lookups to their fallbacks), says which two of its models are in memory, what each takes
+and how much memory its backend holds (too little for the third: loading the requested model
+where it is not in memory pushes one out), and has one task of another model in flight.
 
 Prints the median time per decision for each size, with the parts it is made of, and the
 largest number of workers whose decision stays within 1 ms (found by doubling, then
@@ -28,6 +29,8 @@ import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Final
+
+import msgspec
 
 from schemas.route import RouteRequest
 from schemas.workers import Capability, WorkerRecord
@@ -79,11 +82,17 @@ def fleet(size: int) -> FleetView:
     for i in range(size):
         worker_id = f"worker-{i:05d}"
         models = [MODEL, OTHER_MODELS[i % 9], OTHER_MODELS[(i + 4) % 9]]
-        # Half of them hold the requested model in memory.
+        # Half of them hold the requested model in memory; none can hold all three.
         resident = models[:2] if i % 2 else models[1:]
+        record = worker_record(
+            worker_id, models, gpu=i % 4 == 0, heartbeat_at=NOW - (i % 5), resident=resident
+        )
         view.put_worker(
-            worker_record(
-                worker_id, models, gpu=i % 4 == 0, heartbeat_at=NOW - (i % 5), resident=resident
+            msgspec.structs.replace(
+                record,
+                model_memory={MODEL: 5_000_000_000} | dict.fromkeys(models[1:], 1_000_000_000),
+                memory_bytes=6_500_000_000,
+                max_resident=3,
             )
         )
         missing = DOMAIN if i % 2 else DOMAINS[i % 4 if i % 4 != 1 else 0]

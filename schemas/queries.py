@@ -65,6 +65,11 @@ class WorkerView(Wire, frozen=True, kw_only=True):
     """When its health last changed (None: a worker that does not probe its backend)."""
     resident: list[str] | None = None
     """The models its backend holds in memory, as it last said (None: it does not say)."""
+    memory_bytes: int | None = None
+    """How much its backend holds of models before a load pushes one out, as routing counts
+    it (`schemas.workers.WorkerRecord.memory_bytes`; None: not known)."""
+    max_resident: int | None = None
+    """The most models it has seen its backend hold at once (None: not known)."""
 
 
 class WorkersReply(Wire, frozen=True, kw_only=True):

@@ -52,6 +52,17 @@ class WorkerRecord(Wire, frozen=True, kw_only=True):
     other model. None: the worker does not say (an OpenAI-compatible backend has no such
     list, a web-search worker runs no model, a worker that predates this), and routing
     counts no cold load for it."""
+    model_memory: dict[str, int] = msgspec.field(default_factory=dict)
+    """The memory (bytes) each of ``models`` took in the backend the last time the worker
+    saw it loaded (Ollama's ``/api/ps`` ``size``); a model never seen loaded is left out
+    (routing takes the file size in ``facts`` for it)."""
+    memory_bytes: int | None = None
+    """How much the backend holds of models before a load pushes one out: the worker's
+    ``WORKER_MEMORY_GB``, else the largest total of ``model_memory`` seen in memory at once
+    since it started. None: not known (routing counts no eviction)."""
+    max_resident: int | None = None
+    """The most models seen in memory at once since the worker started (Ollama also caps
+    their number: ``OLLAMA_MAX_LOADED_MODELS``, 3 per GPU by default). None: not known."""
 
     def facts_of(self, model: str) -> ModelFacts:
         """The facts of one of ``models`` (defaults when the worker gave none)."""

@@ -127,10 +127,11 @@ class Backend(Protocol):
         registers `ModelFacts`'s defaults)."""
         ...
 
-    async def resident_models(self) -> list[str] | None:
+    async def resident_models(self) -> dict[str, int] | None:
         """The models the server holds in memory now (by served name), which start without
-        a cold load; None when the server has no way to say. Raises `BackendUnavailable`
-        when it is down, `BackendError` when it answers otherwise."""
+        a cold load, each with the memory it takes (bytes; 0 when not said); None when the
+        server has no way to say. Raises `BackendUnavailable` when it is down,
+        `BackendError` when it answers otherwise."""
         ...
 
     async def aclose(self) -> None: ...

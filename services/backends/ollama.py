@@ -47,7 +47,7 @@ from services.backends.ollama_reply import (
     facts_of,
     legacy_vector,
     model_names,
-    running_names,
+    running_sizes,
 )
 from services.backends.ollama_request import embed_body, generate_body, legacy_embed_body
 from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
@@ -138,9 +138,9 @@ class OllamaBackend:
             raise BackendError(f"Ollama at {self._base_url} answered /api/tags with HTTP {status}")
         return model_names(content, self._base_url)
 
-    async def resident_models(self) -> list[str]:
-        """``/api/ps``: the models loaded now (their runners keep them until ``keep_alive``
-        runs out, or another model needs the memory)."""
+    async def resident_models(self) -> dict[str, int]:
+        """``/api/ps``: the models loaded now, each with the memory it takes (their runners
+        keep them until ``keep_alive`` runs out, or another model needs the memory)."""
         try:
             status, content = await self._get("/api/ps")
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -149,7 +149,7 @@ class OllamaBackend:
             ) from exc
         if status != 200:
             raise BackendError(f"Ollama at {self._base_url} answered /api/ps with HTTP {status}")
-        return running_names(content, self._base_url)
+        return running_sizes(content, self._base_url)
 
     async def generate(
         self,

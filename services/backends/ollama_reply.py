@@ -185,6 +185,8 @@ def model_names(content: bytes, address: str) -> list[str]:
 
 class _Running(msgspec.Struct):
     name: str
+    size: int = 0
+    """Bytes the loaded model takes, in VRAM and RAM (``size_vram`` is the VRAM part)."""
 
 
 class _Ps(msgspec.Struct):
@@ -194,11 +196,11 @@ class _Ps(msgspec.Struct):
 _ps_decoder = msgspec.json.Decoder(_Ps)
 
 
-def running_names(content: bytes, address: str) -> list[str]:
-    """The names in an ``/api/ps`` reply (the models loaded); a malformed one is a
-    `BackendError`."""
+def running_sizes(content: bytes, address: str) -> dict[str, int]:
+    """The models in an ``/api/ps`` reply (those loaded), each with the memory it takes in
+    bytes; a malformed reply is a `BackendError`."""
     try:
-        return [m.name for m in _ps_decoder.decode(content).models]
+        return {m.name: m.size for m in _ps_decoder.decode(content).models}
     except msgspec.DecodeError as exc:
         raise BackendError(f"Ollama at {address}: malformed /api/ps reply: {exc}") from exc
 

@@ -201,9 +201,11 @@ class Figures:
                 if task_model is not None:
                     models = loads.setdefault(worker_id, {})
                     if task_model not in models:
-                        models[task_model] = self._cold_of(task_model, worker_id)
+                        models[task_model] = self.cold_load_of(task_model, worker_id)
         return Estimates(
             queued_loads=loads,
+            # Asked only of a model a load would push out, which is rare.
+            cold_load_of=self.cold_load_of,
             # The shared CPU queue's too: every CPU worker runs those between its own.
             queued_ms=self.queued_ms(model, domain, [*ids, SHARED_WORKER], queued),
             typical_ms=typical,
@@ -212,7 +214,7 @@ class Figures:
             failure_rate=failures,
         )
 
-    def _cold_of(self, model: str, worker_id: str) -> float:
+    def cold_load_of(self, model: str, worker_id: str) -> float:
         """A model's cold-load time on a worker: its own, else every worker's, else the
         prior."""
         own = self._own_of(model, worker_id).cold_load_ms

@@ -24,13 +24,17 @@ the worker registers (`schemas.workers.WorkerRecord.resident`) so routing can co
 load. Between probes a task's end says it (`resident_after_task`): the model that just ran
 is loaded, unless its ``keep_alive`` unloads it at once; when it was not loaded before, its
 load may have pushed others out of memory, so the list is read again before the next task.
+Each read also says how much memory each loaded model takes; the worker keeps the most it
+has seen held at once (`memory_seen`), which routing takes for the backend's limits when
+the operator gave none (``WORKER_MEMORY_GB``), to tell what a load would push out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from schemas.workers import HealthStatus, WorkerRecord
@@ -165,3 +169,28 @@ def resident_after_task(
         return None, True
     after = resident - {model} if unloads_at_once(keep_alive) else resident | {model}
     return after, not loaded
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySeen:
+    """What a worker has seen of its backend's memory since it started."""
+
+    sizes: Mapping[str, int] = field(default_factory=dict)
+    """The memory (bytes) each model took when last seen loaded, by served name."""
+    most_bytes: int = 0
+    """The largest total of the models seen loaded at once."""
+    most_models: int = 0
+    """The most models seen loaded at once."""
+
+
+def memory_seen(seen: MemorySeen, loaded: Mapping[str, int]) -> MemorySeen:
+    """``seen`` after a read of the models in memory: ``loaded`` maps each to the bytes it
+    takes (0: the backend did not say). What the backend held at once it can hold: the
+    most seen is a floor of its limits, which rises as more is asked of it."""
+    sizes = dict(seen.sizes)
+    sizes.update((name, size) for name, size in loaded.items() if size > 0)
+    return MemorySeen(
+        sizes=sizes,
+        most_bytes=max(seen.most_bytes, sum(loaded.values())),
+        most_models=max(seen.most_models, len(loaded)),
+    )

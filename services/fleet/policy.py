@@ -2,8 +2,8 @@
 
 Lesson 1 of the design: the tier is not a property of the model name. It is decided here, from
 who is live: a model listed in ``GPU_MODELS`` (every model, when the list is empty) goes to a
-GPU worker when a live GPU worker has it, unless the best GPU worker would finish it more than
-``GPU_PREFERENCE`` times later than the best CPU worker; else to a CPU worker that has it;
+GPU worker when a live GPU worker has it, unless the best GPU worker would cost it more than
+``GPU_PREFERENCE`` times what the best CPU worker would; else to a CPU worker that has it;
 else the request is refused with an error that names the model and why.
 
 It is given the live workers (`services.fleet.liveness.live`); the router applies it to route,
@@ -14,13 +14,15 @@ it is no candidate, and a request that names it is refused with the reason (less
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from schemas.models import DEFAULT_CAPABILITIES, does_not_support, missing
 from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE, Tier, worker_queue
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
 from services.fleet.health import degraded_reason, routable
+from services.fleet.memory import HeldModels
 from services.runtime.errors import NoWorker, UnsupportedCapability, WorkerUnavailable
 
 # The worker name a task on the shared CPU queue is routed to.
@@ -39,9 +41,14 @@ PRIOR_COLD_LOAD_MS = 5_000.0
 # cap its expected time is ten times its typical one.
 MAX_FAILURE_RATE = 0.9
 
-# How much later than the best CPU worker the best GPU worker may finish a GPU-preferred task
-# and still get it (``GPU_PREFERENCE``): a GPU frees the CPU boxes for what only they can run.
+# How much more than the best CPU worker the best GPU worker may cost a GPU-preferred task and
+# still get it (``GPU_PREFERENCE``): a GPU frees the CPU boxes for what only they can run.
 DEFAULT_GPU_PREFERENCE = 2.0
+
+# What a model pushed out of memory by a load costs, in cold loads of it: the next task of
+# it there loads it again, which delays that task and every task queued behind it then.
+# benchmarks/fleet_sim measured 2, 4 and 8 (benchmarks/README.md).
+EVICTION_WEIGHT = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +62,7 @@ class Decision:
 @dataclass(frozen=True, slots=True)
 class Estimates:
     """What is known of each worker for one task (by worker id; a worker left out gets the
-    priors): the inputs of `expected_completion_ms`.
+    priors): the inputs of `outlook`.
 
     Made from the stats service's figures for the task's model and domain
     (`services.fleet.figures.Figures.estimates`).
@@ -72,6 +79,9 @@ class Estimates:
     """The same without the model's load time (p50); `typical_ms` where absent."""
     cold_load_ms: Mapping[str, float] = field(default_factory=dict)
     """What loading the model costs there (`PRIOR_COLD_LOAD_MS` where absent)."""
+    cold_load_of: Callable[[str, str], float] = lambda model, worker_id: PRIOR_COLD_LOAD_MS
+    """What loading a model costs on a worker, by (model, worker id): what a load that pushes
+    it out of memory costs when it is asked for again (made when asked: that is rare)."""
     failure_rate: Mapping[str, float] = field(default_factory=dict)
     """The worker's recent failure rate for the model and domain (0 where absent)."""
 
@@ -97,12 +107,36 @@ def can_serve(record: WorkerRecord, model: str, needs: Sequence[str]) -> bool:
     return model in record.models and not lacks(record, model, needs)
 
 
-def expected_completion_ms(
-    record: WorkerRecord, model: str, estimates: Estimates, shared_ms: float = 0.0
-) -> float:
-    """When the worker would finish a task of ``model`` sent to it now, in ms from now:
+@dataclass(frozen=True, slots=True)
+class Outlook:
+    """What sending one task to a worker would cost (`outlook`)."""
+
+    completion_ms: float
+    """When the worker would finish it, in ms from now."""
+    eviction_ms: float = 0.0
+    """What its cold load would cost the tasks after it: the reloads of the models it
+    pushes out of memory."""
+
+    @property
+    def cost_ms(self) -> float:
+        """What routing compares: completion and eviction."""
+        return self.completion_ms + self.eviction_ms
+
+
+def outlook(
+    record: WorkerRecord,
+    model: str,
+    estimates: Estimates,
+    shared_ms: float = 0.0,
+    *,
+    bound_ms: float = math.inf,
+) -> Outlook:
+    """What a task of ``model`` sent to the worker now would cost: its expected completion
 
         (ahead + loads ahead + load + run) / (1 - min(failure rate, 0.9))
+
+    and the eviction its load causes, ``EVICTION_WEIGHT`` × the cold-load times of the
+    models that load pushes out of memory (the next task of each there loads it again):
 
     - ahead: the sum of the typical durations of the tasks queued or running on it; for a
       CPU worker, plus its share of those on the shared CPU queue (``shared_ms``: their sum
@@ -110,40 +144,72 @@ def expected_completion_ms(
     - when the worker says which models its backend holds in memory (``resident``, and the
       model of the task it runs now, ``current_model``):
       loads ahead: the cold-load time of each model of the tasks ahead that is not in
-      memory (once per model: its first task loads it);
+      memory when its turn comes (once per model, in name order: its first task loads it);
       run: the model's warm duration there;
-      load: its cold-load time, unless a task of the model is ahead (which loads it), or it
-      is in memory and nothing is loaded before it runs (a load may push it out);
-    - when the worker does not say: no loads, and run is its typical duration (a p50 that
-      holds the loads as they happened);
+      load: its cold-load time, unless it is in memory when its turn comes: a task of it is
+      ahead, or it is in memory now and the loads ahead do not push it out;
+      what a load pushes out: `services.fleet.memory.HeldModels` (the worker's
+      ``memory_bytes`` and ``max_resident``, each model's ``model_memory``; a limit it does
+      not know of holds anything);
+    - when the worker does not say: no loads, no eviction, and run is its typical duration
+      (a p50 that holds the loads as they happened);
     - a task fails with probability p and is then run again elsewhere, so on average it
       costs 1 / (1 - p) runs.
 
     Absent figures are the priors: `PRIOR_TYPICAL_MS`, `PRIOR_COLD_LOAD_MS`, no failures.
+    A completion over ``bound_ms`` (the best cost found so far) leaves the eviction out: the
+    cost is over the bound whatever it is.
     """
+    return Outlook(*_costs(record, model, estimates, shared_ms, bound_ms))
+
+
+def _costs(
+    record: WorkerRecord, model: str, estimates: Estimates, shared_ms: float, bound_ms: float
+) -> tuple[float, float]:
+    """`outlook`'s completion and eviction, without the object (one per candidate)."""
     worker_id = record.worker_id
     typical = estimates.typical_ms.get(worker_id, PRIOR_TYPICAL_MS)
     ahead = sum(estimates.queued_ms.get(worker_id, ()))
     resident = record.resident
+    held: HeldModels | None = None
+    loads = False
     if resident is None:
         run = typical
     else:
+        run = estimates.warm_ms.get(worker_id, typical)
         running = record.current_model
         queued = estimates.queued_loads.get(worker_id)
-        loading = False
+        loads = model != running and model not in resident
         if queued:
-            for queued_model, load_ms in queued.items():
+            for queued_model in queued:
                 if queued_model != running and queued_model not in resident:
-                    ahead += load_ms
-                    loading = True
-        run = estimates.warm_ms.get(worker_id, typical)
-        held = model == running or model in resident
-        if not (queued and model in queued) and (loading or not held):
+                    held = _play(record, resident, queued)
+                    ahead += held.loaded_ms
+                    loads = not held.holds(model)
+                    break
+        if loads:
             run += estimates.cold_load_ms.get(worker_id, PRIOR_COLD_LOAD_MS)
     if tier_of(record) == "cpu":
         ahead += shared_ms
     failure_rate = estimates.failure_rate.get(worker_id, 0.0)
-    return (ahead + run) / (1.0 - min(max(failure_rate, 0.0), MAX_FAILURE_RATE))
+    completion = (ahead + run) / (1.0 - min(max(failure_rate, 0.0), MAX_FAILURE_RATE))
+    if not loads or completion > bound_ms or not (record.memory_bytes or record.max_resident):
+        return completion, 0.0
+    if held is None:
+        held = _play(record, resident or (), estimates.queued_loads.get(worker_id) or {})
+    reloads = 0.0
+    for gone in held.load(model):
+        reloads += estimates.cold_load_of(gone, worker_id)
+    return completion, EVICTION_WEIGHT * reloads
+
+
+def _play(record: WorkerRecord, resident: Sequence[str], queued: Mapping[str, float]) -> HeldModels:
+    """The worker's memory once the tasks ahead ran, each model of theirs used once (sorted
+    by name: the same answer whatever the order they came in), with what their loads cost."""
+    held = HeldModels(record, resident)
+    for queued_model in sorted(queued):
+        held.use(queued_model, queued[queued_model])
+    return held
 
 
 def choose(
@@ -161,15 +227,15 @@ def choose(
     Only workers whose copy of the model has every capability in ``needs`` are candidates;
     when the model is served but no copy has them, `UnsupportedCapability` names what lacks.
 
-    Each candidate's `expected_completion_ms` comes from ``estimates``. A model that prefers
-    a GPU (in ``gpu_models``, or every model when that is empty) goes to the GPU candidate
-    that would finish first, unless that is more than ``gpu_preference`` times later than
-    the CPU candidate that would finish first, which then gets it; with no GPU candidate, to
-    a CPU one. Any other model goes to the candidate of either tier that would finish first.
-    Ties go to the smallest worker id, so the same state always gives the same answer. When
-    the pick is a CPU worker, every CPU candidate is busy and every live CPU worker serves
-    the model, the task goes to the shared CPU queue instead, where whichever worker frees
-    up first takes it.
+    Each candidate's cost (`outlook`: its expected completion and the eviction its load
+    causes) comes from ``estimates``. A model that prefers a GPU (in ``gpu_models``, or every
+    model when that is empty) goes to the GPU candidate that costs least, unless that is
+    more than ``gpu_preference`` times the cost of the CPU candidate that costs least, which
+    then gets it; with no GPU candidate, to a CPU one. Any other model goes to the candidate
+    of either tier that costs least. Ties go to the smallest worker id, so the same state
+    always gives the same answer. When the pick is a CPU worker, every CPU candidate is busy
+    and every live CPU worker serves the model, the task goes to the shared CPU queue
+    instead, where whichever worker frees up first takes it.
     """
     known = estimates or Estimates()
     if designated is not None:
@@ -189,9 +255,10 @@ def choose(
     shared_ms = sum(known.queued_ms.get(SHARED_WORKER, ())) / max(pulling, 1)
 
     def best(pool: Sequence[WorkerRecord]) -> tuple[float, WorkerRecord]:
-        found_ms, found = expected_completion_ms(pool[0], model, known, shared_ms), pool[0]
-        for w in pool[1:]:
-            ms = expected_completion_ms(w, model, known, shared_ms)
+        found_ms, found = math.inf, pool[0]
+        for w in pool:
+            completion, eviction = _costs(w, model, known, shared_ms, found_ms)
+            ms = completion + eviction
             if ms < found_ms or (ms == found_ms and w.worker_id < found.worker_id):
                 found_ms, found = ms, w
         return found_ms, found
@@ -209,13 +276,13 @@ def choose(
             if gpu_ms > gpu_preference * cpu_ms:
                 pick = cpu_best
                 why = (
-                    f"gpu workers busy: the best would finish in {gpu_ms:.0f} ms, over "
+                    f"gpu workers busy: the best would cost {gpu_ms:.0f} ms, over "
                     f"{gpu_preference:g}x the best cpu worker's {cpu_ms:.0f} ms"
                 )
     elif prefer_gpu:
         pick, why = best(serving)[1], "no live gpu worker has the model; cpu fallback"
     else:
-        pick, why = best(serving)[1], "least expected completion time"
+        pick, why = best(serving)[1], "least expected cost"
 
     tier = tier_of(pick)
     if tier == "cpu" and _shared_fits(cpu, pulling, known):

@@ -60,6 +60,8 @@ def workers_reply(
             health_reason=r.health_reason,
             health_since=r.health_since,
             resident=r.resident,
+            memory_bytes=r.memory_bytes,
+            max_resident=r.max_resident,
         )
         for r in sorted(liveness.live(view.workers.values(), now, ttl_s), key=lambda r: r.worker_id)
     ]

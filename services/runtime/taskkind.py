@@ -149,6 +149,21 @@ class HealthWatch(Protocol):
         """The models the backend holds in memory (None: it cannot say)."""
         ...
 
+    @property
+    def model_memory(self) -> dict[str, int]:
+        """The memory each model took when last seen loaded (bytes)."""
+        ...
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """How much the backend holds of models (None: not known)."""
+        ...
+
+    @property
+    def max_resident(self) -> int | None:
+        """The most models seen in memory at once (None: not known)."""
+        ...
+
     def due(self) -> bool:
         """Is a probe due now?"""
         ...

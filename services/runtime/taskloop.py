@@ -125,6 +125,9 @@ class TaskLoop:
             health_reason=health.reason if health is not None else None,
             health_since=health.since if health is not None else None,
             resident=self.health.resident if self.health is not None else None,
+            model_memory=self.health.model_memory if self.health is not None else {},
+            memory_bytes=self.health.memory_bytes if self.health is not None else None,
+            max_resident=self.health.max_resident if self.health is not None else None,
         )
 
     # -- start and stop ------------------------------------------------------------------------

@@ -4,7 +4,8 @@ degraded or healthy) are `services.fleet.health`; this runs them against the bac
 
 The task loop asks `BackendProbe.check` between tasks only, so a probe never runs beside a
 task (one generation at a time per worker), and reads `BackendProbe.health` and
-`BackendProbe.resident` (the models the backend holds in memory) into every heartbeat. A
+`BackendProbe.resident` (the models the backend holds in memory, with what it was seen to
+hold: `BackendProbe.model_memory`, `memory_bytes`, `max_resident`) into every heartbeat. A
 degraded worker keeps its lease and heartbeats (it is alive) but pulls nothing
 (`services.runtime.taskloop`); the router sends it nothing and the reaper moves what waits on
 its queue.
@@ -90,6 +91,7 @@ class BackendProbe:
         first_token_s: float,
         progress_s: float,
         canonical: Callable[[str], str] = str,
+        memory_bytes: int | None = None,
     ) -> None:
         self.backend = backend
         self.policy = policy
@@ -102,6 +104,9 @@ class BackendProbe:
         # whether to ask it again before the next task.
         self._resident: frozenset[str] | None = None
         self._reread = False
+        # What the backend's memory was seen to hold; the operator's limit (WORKER_MEMORY_GB).
+        self._memory = health.MemorySeen()
+        self._memory_limit = memory_bytes
 
     @property
     def resident(self) -> list[str] | None:
@@ -111,6 +116,26 @@ class BackendProbe:
             return None
         held = self._resident
         return sorted({self.canonical(name) for name, _ in self.served() if name in held})
+
+    @property
+    def model_memory(self) -> dict[str, int]:
+        """The memory each served model took when last seen loaded, by the name routing
+        uses."""
+        sizes = self._memory.sizes
+        return {self.canonical(name): sizes[name] for name, _ in self.served() if name in sizes}
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """How much the backend holds of models: the operator's limit, else the largest
+        total seen loaded at once; None before anything was seen loaded."""
+        if self._memory_limit is not None:
+            return self._memory_limit
+        return self._memory.most_bytes or None
+
+    @property
+    def max_resident(self) -> int | None:
+        """The most models seen loaded at once; None before anything was."""
+        return self._memory.most_models or None
 
     def _set(self, after: Health) -> None:
         before, self.health = self.health, after
@@ -167,7 +192,11 @@ class BackendProbe:
                 log.warning("models in memory unknown", backend=self.backend.address, error=exc)
             self._resident = None
             return
-        self._resident = None if found is None else frozenset(found)
+        if found is None:
+            self._resident = None
+            return
+        self._resident = frozenset(found)
+        self._memory = health.memory_seen(self._memory, found)
 
     async def _probe(self, kind: ProbeKind) -> str | None:
         """What is wrong with the backend (None: nothing), by a probe of ``kind``."""

@@ -65,6 +65,7 @@ class Inference:
             first_token_s=settings.first_token_timeout_s,
             progress_s=settings.progress_timeout_s,
             canonical=self.aliases.canonical,
+            memory_bytes=settings.memory_bytes,
         )
 
     @property
@@ -161,6 +162,9 @@ class Inference:
                 continue
             log.info("model passed its sanity run", model=model, total_ms=round(total_ms, 1))
             passed.append(model)
+            # What each load leaves in memory: the most held at once is what routing takes
+            # for the backend's limits when WORKER_MEMORY_GB is unset.
+            await self.probe.read_resident()
         if not passed:
             raise ConfigError(
                 f"no model passed its sanity run on {self.backend.address}: " + "; ".join(reasons)

@@ -204,21 +204,60 @@ async def test_a_workers_models_in_memory_follow_its_backends_ps(
             return record is not None and record.resident == shown.get("resident") == expected
 
         await eventually(lambda: resident([]))  # nothing loaded yet, and the worker says so
+        before = (await registry(nc))["cpu-1"]
+        assert (before.model_memory, before.memory_bytes, before.max_resident) == ({}, None, None)
 
         assert (await route(nc))["status"] == "done"
         await eventually(lambda: resident([MODEL]))  # the task loaded it
-        assert [m["name"] for m in backend_ps(backend)] == [MODEL]
+        [loaded] = backend_ps(backend)
+        assert loaded["name"] == MODEL
+        # What it takes loaded (/api/ps: more than its file), and the most seen at once.
+        record = (await registry(nc))["cpu-1"]
+        assert loaded["size"] > file_size(backend, MODEL)
+        assert record.model_memory == {MODEL: loaded["size"]}
+        assert (record.memory_bytes, record.max_resident) == (loaded["size"], 1)
+        shown = (await listed(nc))["cpu-1"]
+        assert (shown["memory_bytes"], shown["max_resident"]) == (loaded["size"], 1)
 
         # Unloaded behind the worker's back: its next probe between tasks sees it.
         unload = {"model": MODEL, "keep_alive": 0}
         async with httpx.AsyncClient(base_url=backend.url) as client:
             assert (await client.post("/api/generate", json=unload)).status_code == 200
         await eventually(lambda: resident([]), timeout_s=10)
+        # Nothing in memory now; what was seen stays.
+        assert (await registry(nc))["cpu-1"].memory_bytes == loaded["size"]
+
+
+async def test_a_workers_memory_limit_is_the_operators_when_given(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    with FakeOllama(models=[MODEL, "gemma3:1b"]) as backend:
+        # The sanity runs load both models; each worker reads /api/ps after each.
+        runner.worker(nats_server.url, backend.url, "mac", worker_memory_gb=16.0)
+        runner.worker(nats_server.url, backend.url, "pc")
+
+        async def both() -> dict[str, WorkerRecord] | None:
+            records = await registered(nc)
+            return records if records is not None and len(records) == 2 else None
+
+        records = await eventually(both)
+        sizes = {m["name"]: m["size"] for m in backend_ps(backend)}
+        assert set(sizes) == {MODEL, "gemma3:1b"}
+        assert records["mac"].memory_bytes == 16_000_000_000
+        assert records["pc"].memory_bytes == sum(sizes.values())  # the most seen at once
+        for record in records.values():
+            assert (record.model_memory, record.max_resident) == (sizes, 2)
 
 
 def backend_ps(backend: FakeOllama) -> list[dict[str, Any]]:
     models: list[dict[str, Any]] = httpx.get(f"{backend.url}/api/ps").json()["models"]
     return models
+
+
+def file_size(backend: FakeOllama, model: str) -> int:
+    """What ``/api/tags`` says ``model``'s file takes."""
+    tags = httpx.get(f"{backend.url}/api/tags").json()["models"]
+    return int(next(t["size"] for t in tags if t["name"] == model))
 
 
 async def test_an_openai_compatible_worker_says_nothing_of_what_is_in_memory(

@@ -12,7 +12,7 @@ import pytest
 from schemas.workers import WorkerRecord
 from services.cli.doctor_checks import check_backends
 from services.fleet import health
-from services.fleet.health import Failure, HealthPolicy
+from services.fleet.health import Failure, HealthPolicy, MemorySeen, memory_seen
 from services.fleet.policy import Estimates, choose
 from services.reaper.decisions import Fail, Move, decide
 from services.reaper.detectors import Snapshot, Thresholds, detect
@@ -140,25 +140,34 @@ def test_which_keep_alive_unloads_at_once(keep_alive: float | str | None, unload
 
 
 class MemoryBackend:
-    """A backend whose ``/api/ps`` says ``loaded`` (None: it cannot say; an error: down)."""
+    """A backend whose ``/api/ps`` says ``loaded`` (None: it cannot say; an error: down),
+    each model taking 1 GB unless ``sizes`` says otherwise."""
 
     address = "memory://test"
 
-    def __init__(self, loaded: list[str] | BackendError | None) -> None:
+    def __init__(
+        self, loaded: list[str] | BackendError | None, sizes: dict[str, int] | None = None
+    ) -> None:
         self.loaded = loaded
+        self.sizes = sizes or {}
         self.asked = 0
 
     async def list_models(self) -> list[str]:
         return ["qwen:latest", "b"]
 
-    async def resident_models(self) -> list[str] | None:
+    async def resident_models(self) -> dict[str, int] | None:
         self.asked += 1
         if isinstance(self.loaded, BackendError):
             raise self.loaded
-        return self.loaded
+        if self.loaded is None:
+            return None
+        return {name: self.sizes.get(name, GB) for name in self.loaded}
 
 
-def memory_probe(backend: MemoryBackend) -> BackendProbe:
+GB = 1_000_000_000
+
+
+def memory_probe(backend: MemoryBackend, memory_bytes: int | None = None) -> BackendProbe:
     return BackendProbe(
         backend,  # type: ignore[arg-type]  # only what the probe calls between tasks
         POLICY,
@@ -166,6 +175,7 @@ def memory_probe(backend: MemoryBackend) -> BackendProbe:
         first_token_s=1.0,
         progress_s=1.0,
         canonical=lambda name: "qwen" if name == "qwen:latest" else name,
+        memory_bytes=memory_bytes,
     )
 
 
@@ -189,10 +199,54 @@ async def test_the_probe_reports_the_served_models_in_memory_by_their_routing_na
     assert probe.resident == ["b"]
 
 
+async def test_the_probe_reports_the_most_it_has_seen_the_backend_hold() -> None:
+    backend = MemoryBackend(["qwen:latest"], sizes={"qwen:latest": 5 * GB, "not-served:1b": GB})
+    probe = memory_probe(backend)
+    assert (probe.model_memory, probe.memory_bytes, probe.max_resident) == ({}, None, None)
+    await probe.read_resident()
+    assert (probe.model_memory, probe.memory_bytes, probe.max_resident) == (
+        {"qwen": 5 * GB},
+        5 * GB,
+        1,
+    )
+    # Two at once, one of them not served: it takes memory all the same.
+    backend.loaded = ["b", "not-served:1b"]
+    await probe.read_resident()
+    assert probe.model_memory == {"qwen": 5 * GB, "b": GB}  # qwen's size is remembered
+    assert (probe.memory_bytes, probe.max_resident) == (5 * GB, 2)
+    backend.loaded = ["qwen:latest", "b"]
+    await probe.read_resident()
+    assert (probe.memory_bytes, probe.max_resident) == (6 * GB, 2)
+    # Less in memory later lowers nothing; a backend that cannot say forgets nothing.
+    backend.loaded = []
+    await probe.read_resident()
+    backend.loaded = BackendError("Ollama answered /api/ps with HTTP 500")
+    await probe.read_resident()
+    assert (probe.resident, probe.memory_bytes, probe.max_resident) == (None, 6 * GB, 2)
+
+
+async def test_the_operators_memory_limit_is_reported_as_given() -> None:
+    probe = memory_probe(MemoryBackend(["qwen:latest", "b"]), memory_bytes=16 * GB)
+    assert probe.memory_bytes == 16 * GB  # before anything was seen
+    await probe.read_resident()
+    assert (probe.memory_bytes, probe.max_resident) == (16 * GB, 2)
+
+
+def test_what_was_seen_in_memory_keeps_each_models_size_and_the_most_at_once() -> None:
+    seen = memory_seen(MemorySeen(), {"a": 3 * GB, "b": 0})  # b: the backend gave no size
+    assert seen == MemorySeen(sizes={"a": 3 * GB}, most_bytes=3 * GB, most_models=2)
+    seen = memory_seen(seen, {"c": 8 * GB})
+    assert (seen.sizes, seen.most_bytes, seen.most_models) == (
+        {"a": 3 * GB, "c": 8 * GB},
+        8 * GB,
+        2,
+    )
+
+
 async def test_a_backend_that_cannot_say_or_fails_to_leaves_it_unknown() -> None:
     silent = memory_probe(MemoryBackend(None))
     await silent.read_resident()
-    assert silent.resident is None
+    assert (silent.resident, silent.memory_bytes, silent.max_resident) == (None, None, None)
     backend = MemoryBackend(["b"])
     down = memory_probe(backend)
     await down.read_resident()

@@ -64,8 +64,16 @@ def test_queued_work_is_each_tasks_typical_duration_on_its_worker() -> None:
     assert ahead["b"] == [1_000.0] and "c" not in ahead
     # And the models to load for them, each once, with its cold-load time (else the prior).
     figures.put("big", "math", "a", Figure(30_000.0, 0.0, cold_load_ms=9_000.0))
-    loads = figures.estimates("m", "code", ["a", "b"], queued).queued_loads
-    assert loads == {"a": {"big": 9_000.0}, "b": {"never-seen": PRIOR_COLD_LOAD_MS}}
+    estimates = figures.estimates("m", "code", ["a", "b"], queued)
+    assert estimates.queued_loads == {
+        "a": {"big": 9_000.0},
+        "b": {"never-seen": PRIOR_COLD_LOAD_MS},
+    }
+    # Any model's, asked of a load that pushes it out: its own, else everyone's, else the prior.
+    figures.put("big", "code", "c", Figure(30_000.0, 0.0, cold_load_ms=5_000.0))
+    assert estimates.cold_load_of("big", "a") == 9_000.0
+    assert estimates.cold_load_of("big", "b") == 7_000.0  # the median of a's and c's
+    assert estimates.cold_load_of("never-seen", "a") == PRIOR_COLD_LOAD_MS
 
 
 def test_a_stats_bucket_value_is_read_with_its_routing_fields() -> None:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from schemas.models import ModelFacts
 from schemas.workers import Capability, WorkerRecord
 from services.fleet.liveness import live
 from services.fleet.policy import (
+    EVICTION_WEIGHT,
     PRIOR_COLD_LOAD_MS,
     Estimates,
+    Outlook,
     choose,
     choose_web,
-    expected_completion_ms,
+    outlook,
 )
 from services.runtime.errors import NoWorker, WorkerUnavailable
 
@@ -96,8 +99,8 @@ def test_the_work_ahead_counts_in_time_not_in_tasks() -> None:
     ahead = Estimates(queued_ms={"a": [30_000.0], "b": [1_000.0, 1_000.0, 1_000.0]})
     decision = choose("m", fleet, estimates=ahead)
     assert decision.worker_id == "b"
-    assert expected_completion_ms(fleet[0], "m", ahead) == 31_000.0
-    assert expected_completion_ms(fleet[1], "m", ahead) == 4_000.0
+    assert outlook(fleet[0], "m", ahead).completion_ms == 31_000.0
+    assert outlook(fleet[1], "m", ahead).completion_ms == 4_000.0
 
 
 # -- a cold load counted where the model is not in memory
@@ -112,11 +115,11 @@ def test_a_worker_without_the_model_in_memory_counts_its_cold_load() -> None:
         cold_load_ms={"a": 4_000.0},
         queued_ms={"b": [2_000.0]},
     )
-    assert expected_completion_ms(cold, "m", known) == 5_000.0  # warm run + its cold load
-    assert expected_completion_ms(warm, "m", known) == 3_000.0  # its queue + a warm run
+    assert outlook(cold, "m", known).completion_ms == 5_000.0  # warm run + its cold load
+    assert outlook(warm, "m", known).completion_ms == 3_000.0  # its queue + a warm run
     assert choose("m", [cold, warm], estimates=known).worker_id == "b"
     # Without a figure the prior applies, and a short queue beats it too.
-    assert expected_completion_ms(cold, "m", Estimates()) == 1_000.0 + PRIOR_COLD_LOAD_MS
+    assert outlook(cold, "m", Estimates()).completion_ms == 1_000.0 + PRIOR_COLD_LOAD_MS
 
 
 def test_the_models_loaded_for_the_tasks_ahead_count_and_may_push_the_model_out() -> None:
@@ -127,13 +130,108 @@ def test_the_models_loaded_for_the_tasks_ahead_count_and_may_push_the_model_out(
         queued_ms={"a": [10_000.0, 10_000.0, 500.0]},
         queued_loads={"a": {"big": 6_000.0, "small": 2_000.0}},
     )
-    # Two tasks of big ahead load it once (6 s); small is in memory; m may be pushed out.
-    assert expected_completion_ms(w, "m", known) == 20_500.0 + 6_000.0 + 1_000.0 + 4_000.0
-    # Nothing to load ahead: m stays in memory.
+    # Two tasks of big ahead load it once (6 s); small is in memory. With no limit known,
+    # m stays in memory.
+    assert outlook(w, "m", known).completion_ms == 20_500.0 + 6_000.0 + 1_000.0
+    # Room for two models: big's load pushes m out (listed first, and small was used since).
+    two = w.__replace__(max_resident=2)
+    assert outlook(two, "m", known).completion_ms == 20_500.0 + 6_000.0 + 1_000.0 + 4_000.0
+    # Room for three: m stays.
+    assert outlook(w.__replace__(max_resident=3), "m", known).completion_ms == 27_500.0
+    # Nothing to load ahead: m stays in memory, whatever the room.
     light = Estimates(
         warm_ms={"a": 1_000.0}, queued_ms={"a": [500.0]}, queued_loads={"a": {"small": 2e3}}
     )
-    assert expected_completion_ms(w, "m", light) == 1_500.0
+    assert outlook(two, "m", light).completion_ms == 1_500.0
+
+
+# -- what a load pushes out of memory
+
+
+GB = 1_000_000_000
+
+
+def test_a_load_that_pushes_models_out_costs_their_reloads() -> None:
+    # 12 GB; 7b (5 GB) and 4b (3 GB) in memory; loading 12b (8.5 GB) pushes both out.
+    full = worker("pc", "7b", "4b", "12b", gpu=True, resident=["4b", "7b"]).__replace__(
+        model_memory={"7b": 5 * GB, "4b": 3 * GB, "12b": 8_500_000_000},
+        memory_bytes=12 * GB,
+    )
+    reloads = {"4b": 2_000.0, "7b": 3_000.0}
+    known = Estimates(
+        warm_ms={"pc": 2_000.0},
+        cold_load_ms={"pc": 5_500.0},
+        cold_load_of=lambda model, worker_id: reloads[model],
+    )
+    seen = outlook(full, "12b", known)
+    assert (seen.completion_ms, seen.eviction_ms) == (7_500.0, EVICTION_WEIGHT * 5_000.0)
+    assert seen.cost_ms == 7_500.0 + EVICTION_WEIGHT * 5_000.0
+    # A model that is in memory pushes nothing out; nor does one that fits beside them.
+    assert outlook(full, "7b", known).eviction_ms == 0.0
+    roomy = full.__replace__(memory_bytes=17 * GB)
+    assert outlook(roomy, "12b", known) == Outlook(7_500.0, 0.0)
+    # 14 GB: pushing out the first listed (4b) makes room.
+    assert outlook(full.__replace__(memory_bytes=14 * GB), "12b", known).eviction_ms == (
+        EVICTION_WEIGHT * 2_000.0
+    )
+
+
+def test_the_models_go_in_the_order_listed_the_running_one_and_those_used_last() -> None:
+    # Room for two models; a and b in memory, the worker runs a: b goes first.
+    w = worker("w", "a", "b", "c", gpu=True, resident=["a", "b"]).__replace__(
+        state="busy", current_model="a", max_resident=2
+    )
+    reloads = {"a": 1_000.0, "b": 2_000.0}
+    known = Estimates(cold_load_of=lambda model, worker_id: reloads[model])
+    assert outlook(w, "c", known).eviction_ms == EVICTION_WEIGHT * 2_000.0
+    # A task of b ahead uses b after a: now a goes first.
+    ahead = Estimates(
+        queued_ms={"w": [1_000.0, 1_000.0]},
+        queued_loads={"w": {"b": 2_000.0}},
+        cold_load_of=lambda model, worker_id: reloads[model],
+    )
+    assert outlook(w, "c", ahead).eviction_ms == EVICTION_WEIGHT * 1_000.0
+
+
+def test_a_model_without_a_size_seen_in_memory_takes_its_file_size() -> None:
+    w = worker("w", "a", "b", gpu=True, resident=["a"]).__replace__(
+        facts=[ModelFacts(name="b", size=4 * GB)], model_memory={"a": 2 * GB}
+    )
+    known = Estimates()
+    assert outlook(w.__replace__(memory_bytes=6 * GB), "b", known).eviction_ms == 0.0
+    assert outlook(w.__replace__(memory_bytes=5 * GB), "b", known).eviction_ms == (
+        EVICTION_WEIGHT * PRIOR_COLD_LOAD_MS  # a pushed out, with no figure: the prior
+    )
+
+
+def test_a_worker_that_knows_no_limit_counts_no_eviction() -> None:
+    w = worker("w", "a", "b", gpu=True, resident=["a"]).__replace__(model_memory={"a": 9 * GB})
+    assert outlook(w, "b", Estimates()) == Outlook(1_000.0 + PRIOR_COLD_LOAD_MS, 0.0)
+
+
+def test_a_completion_past_the_bound_leaves_the_eviction_out() -> None:
+    w = worker("w", "a", "b", gpu=True, resident=["a"]).__replace__(max_resident=1)
+    completion = 1_000.0 + PRIOR_COLD_LOAD_MS
+    assert outlook(w, "b", Estimates(), bound_ms=completion).eviction_ms > 0.0
+    assert outlook(w, "b", Estimates(), bound_ms=completion - 1) == Outlook(completion, 0.0)
+
+
+def test_routing_keeps_a_model_where_it_is_rather_than_push_out_another() -> None:
+    # The pc (smallest id: it wins ties) would finish as soon, by pushing out its 7b.
+    mac = worker("mac", "7b", "12b", gpu=True, resident=["12b"]).__replace__(max_resident=3)
+    pc = worker("a-pc", "7b", "12b", gpu=True, resident=["7b"]).__replace__(max_resident=1)
+    known = Estimates(
+        queued_ms={"mac": [3_000.0]},
+        warm_ms={"mac": 4_000.0, "a-pc": 2_000.0},
+        cold_load_ms={"mac": 7_000.0, "a-pc": 5_000.0},
+        cold_load_of=lambda model, worker_id: 3_000.0,
+    )
+    # mac: 3 s ahead + 4 s = 7 s; pc: 5 s load + 2 s = 7 s, and 7b's reload on top.
+    assert outlook(pc, "12b", known).completion_ms == outlook(mac, "12b", known).completion_ms
+    assert choose("12b", [mac, pc], estimates=known).worker_id == "mac"
+    # With room for both models on the pc, the tie goes to the smallest id.
+    roomy = pc.__replace__(max_resident=2)
+    assert choose("12b", [mac, roomy], estimates=known).worker_id == "a-pc"
 
 
 def test_a_task_of_the_same_model_ahead_loads_it_for_this_one() -> None:
@@ -144,7 +242,7 @@ def test_a_task_of_the_same_model_ahead_loads_it_for_this_one() -> None:
         queued_ms={"a": [1_000.0]},
         queued_loads={"a": {"m": 4_000.0}},
     )
-    assert expected_completion_ms(w, "m", known) == 1_000.0 + 4_000.0 + 1_000.0
+    assert outlook(w, "m", known).completion_ms == 1_000.0 + 4_000.0 + 1_000.0
 
 
 def test_the_model_a_worker_is_running_counts_as_in_memory() -> None:
@@ -156,13 +254,13 @@ def test_the_model_a_worker_is_running_counts_as_in_memory() -> None:
         queued_ms={"a": [1_000.0]},
         queued_loads={"a": {"m": 4_000.0}},
     )
-    assert expected_completion_ms(w, "m", known) == 2_000.0
+    assert outlook(w, "m", known).completion_ms == 2_000.0
 
 
 def test_a_worker_that_does_not_say_what_is_in_memory_counts_no_cold_load() -> None:
     silent = worker("a", "m", gpu=True)  # resident None: an OpenAI-compatible backend
     known = Estimates(typical_ms={"a": 3_000.0}, warm_ms={"a": 1_000.0}, cold_load_ms={"a": 9e3})
-    assert expected_completion_ms(silent, "m", known) == 3_000.0  # its typical: loads included
+    assert outlook(silent, "m", known).completion_ms == 3_000.0  # its typical: loads included
 
 
 # -- the GPU preference factor
@@ -187,7 +285,7 @@ def test_a_gpu_preferred_model_goes_to_a_cpu_worker_past_the_factor() -> None:
     decision = choose("m", fleet, estimates=loaded, gpu_preference=2.0)
     assert (decision.worker_id, decision.queue) == ("cpu-a", "tasks.cpu.cpu-a")
     assert decision.reason == (
-        "gpu workers busy: the best would finish in 5000 ms, over 2x the best cpu worker's 2000 ms"
+        "gpu workers busy: the best would cost 5000 ms, over 2x the best cpu worker's 2000 ms"
     )
     # A larger factor keeps it on the GPU; an infinite one always does (the old rule).
     assert choose("m", fleet, estimates=loaded, gpu_preference=3.0).worker_id == "mac"
@@ -245,7 +343,7 @@ def test_the_shared_queues_tasks_count_as_work_ahead_of_every_cpu_worker() -> No
     assert choose("m", fleet, estimates=idle).worker_id == "cpu-a"
     # 10 s on the shared queue, shared by the two CPU workers: cpu-a's share makes it 6 s.
     backlog = Estimates(queued_ms={"mac": [1_000.0] * 3, "shared": [5_000.0, 5_000.0]})
-    assert expected_completion_ms(fleet[0], "m", backlog, shared_ms=5_000.0) == 6_000.0
+    assert outlook(fleet[0], "m", backlog, shared_ms=5_000.0).completion_ms == 6_000.0
     assert choose("m", fleet, estimates=backlog).worker_id == "mac"
 
 
