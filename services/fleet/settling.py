@@ -20,6 +20,12 @@ values are the registry, so a router started beside a running fleet serves at on
 
 A verdict that a worker *is* live (route to it, move a task to it) needs no wait: a fresh
 heartbeat is fresh whatever the outage did.
+
+The registry can also stall while the connection stays up: a cluster electing the bucket's
+leader (seconds, longer than a TTL) stores no heartbeat at all. A view that has heard from no
+worker for a third of a TTL (`is_quiet`) asks whether the bucket takes writes; while it does not,
+the view settles again (`SettlingTracker.wait_for`, with `awaited_after_outage`), as after a
+reconnect (`services.runtime.stall`).
 """
 
 from __future__ import annotations
@@ -67,6 +73,15 @@ def awaited_after_outage(records: Iterable[WorkerRecord], ttl_s: float) -> dict[
     quiet_at = max(r.heartbeat_at for r in running)
     fresh = (r for r in running if is_fresh(r.heartbeat_at, quiet_at, ttl_s))
     return {r.worker_id: r.heartbeat_at for r in fresh}
+
+
+def is_quiet(records: Iterable[WorkerRecord], now: float, ttl_s: float) -> bool:
+    """Has a view with running workers heard from none of them for a third of a TTL? Each
+    live worker heartbeats more than twice a TTL, so a registry this quiet has lost every
+    worker at once, or stopped storing heartbeats, or is between two beats of a lone worker:
+    worth asking which (cheaply) long before any entry is old enough for a verdict."""
+    newest = max((r.heartbeat_at for r in records if r.state != "stopping"), default=None)
+    return newest is not None and now - newest >= ttl_s / 3
 
 
 def heard(settling: Settling, record: WorkerRecord) -> Settling:

@@ -55,7 +55,14 @@ from services.fleet.settling import SettlingTracker
 from services.reaper.view import ConsumerSample, ReaperView
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import ReaperSettings
-from services.runtime.watch import RECONNECT_CHECK_S, follow_bucket, reconnects, value_of
+from services.runtime.stall import watch_stalls
+from services.runtime.watch import (
+    RECONNECT_CHECK_S,
+    BucketCursor,
+    follow_bucket,
+    reconnects,
+    value_of,
+)
 
 log = structlog.get_logger("reaper")
 
@@ -78,6 +85,7 @@ class Feeds:
         self._last_seq = 0
         self._events_sub: JetStreamContext.PushSubscription | None = None
         self.settling = SettlingTracker(reconnects(nc), time.time())
+        self.cursor = BucketCursor()  # how far the registry's watch has read
 
     async def start(
         self, workers: KeyValue, asleep: KeyValue, stats: KeyValue, tasks: TaskSet
@@ -92,10 +100,21 @@ class Feeds:
                 ready[0],
                 on_watch=lambda generation: self.notice_reconnect(time.time(), generation),
                 on_read=self.settling.read,
+                cursor=self.cursor,
             ),
             name="watch-workers",
         )
         tasks.spawn(follow_bucket(self.nc, asleep, self._on_asleep, ready[1]), name="watch-asleep")
+        tasks.spawn(
+            watch_stalls(
+                self.js,
+                self.settling,
+                self.view.workers.values,
+                self.cursor,
+                self.settings.worker_ttl_s,
+            ),
+            name="registry-stalls",
+        )
         tasks.spawn(follow_bucket(self.nc, stats, self._on_figure, ready[2]), name="watch-stats")
         since = datetime.datetime.fromtimestamp(
             time.time() - self.settings.reaper_lookback_s, tz=datetime.UTC

@@ -2,9 +2,11 @@
 
 The KV watch (`services.runtime.watch.follow_bucket`) feeds `RegistryFeed.on_entry`; a new
 connection to NATS (noticed by the watch as it starts again, or by a request that comes first)
-makes the view settle again (`services.fleet.settling`). Until it has, a request no live worker
-could take is answered `Unavailable` (retryable, with a hint of when to retry) instead of
-``no_worker``: the worker may well be live, its fresh heartbeat not read yet.
+makes the view settle again (`services.fleet.settling`), and so does a registry that stores
+no heartbeats while the connection stays up (`services.runtime.stall`). Until it has, a
+request no live worker could take is answered `Unavailable` (retryable, with a hint of when
+to retry) instead of ``no_worker``: the worker may well be live, its fresh heartbeat not read
+yet.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from schemas.workers import worker_record_decoder
 from services.fleet.settling import SettlingTracker
 from services.router.view import FleetView
 from services.runtime.errors import Unavailable
-from services.runtime.watch import reconnects, value_of
+from services.runtime.watch import BucketCursor, reconnects, value_of
 
 log = structlog.get_logger("router")
 
@@ -33,6 +35,7 @@ class RegistryFeed:
         self.ttl_s = ttl_s
         # A fresh start awaits nobody: the first full read of the bucket is the registry.
         self.settling = SettlingTracker(reconnects(nc), time.time())
+        self.cursor = BucketCursor()  # how far the watch has read (`services.runtime.stall`)
 
     def on_entry(self, entry: KeyValue.Entry) -> None:
         if (value := value_of(entry)) is None:
@@ -72,6 +75,7 @@ class RegistryFeed:
             return
         retry_s = self.settling.retry_after_s(now, self.ttl_s)
         raise Unavailable(
-            f"the router is reading the worker registry again after a reconnect to NATS, so it "
-            f"cannot tell yet whether {what}; retry in {retry_s} s"
+            "the router is reading the worker registry again (after a reconnect to NATS, or "
+            f"while it stored no heartbeats), so it cannot tell yet whether {what}; retry in "
+            f"{retry_s} s"
         )

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 import nats.errors
 import nats.js.errors
+import structlog
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
@@ -30,9 +31,13 @@ from services.runtime.errors import Unavailable
 from services.runtime.outcomes import last_on
 from services.runtime.tracing import inject_context
 
+log = structlog.get_logger("router")
+
 # How long a write caught by a bus outage is tried again, and how often.
 OUTAGE_RETRY_S: Final = 10.0
 OUTAGE_RETRY_EVERY_S: Final = 0.25
+# A publish that may have been stored although no acknowledgement came back.
+_UNCONFIRMED: Final = (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError)
 # What a write gets while the connection is lost or the server is starting (JetStream not
 # ready, the stream not recovered yet, an acknowledgement that never came).
 _OUTAGE_ERRORS: Final = (
@@ -63,8 +68,9 @@ class AlreadySubmitted(Exception):
 
 
 async def submit(js: JetStreamContext, task: Submission) -> int:
-    """Record and queue the task; returns its message's sequence in ``TASKS``. Raises
-    `AlreadySubmitted` when another request routed a task of this id first."""
+    """Record and queue the task; returns its message's sequence in ``TASKS`` (0 when the
+    queueing went unconfirmed). Raises `AlreadySubmitted` when another request routed a task
+    of this id first."""
     task_id, decision = task.task_id, task.decision
     # Both events go out at once and their acknowledgements are awaited together: one
     # round trip instead of two. One connection keeps their order in EVENTS, and the task
@@ -98,6 +104,13 @@ async def submit(js: JetStreamContext, task: Submission) -> int:
         # The worker continues this request's trace (traceparent).
         headers = inject_context({"Nats-Msg-Id": f"{task_id}:1"})
         ack = await through_outage(lambda: js.publish(decision.queue, message, headers=headers))
+    except _UNCONFIRMED as exc:
+        # The message may well be stored (an acknowledgement lost while a cluster elects the
+        # stream's leader): failing the task here would tell its client "failed" for a task
+        # that then runs. It is taken as queued; if it is not there, the reaper finds a
+        # routed task without its message (a ghost) and queues it again.
+        log.warning("queueing not confirmed; taken as queued", task_id=task_id, error=repr(exc))
+        return 0
     except Exception as exc:
         reason = f"could not queue the task on {decision.queue}: {exc or type(exc).__name__}"
         await fail_unqueued(js, task_id, decision, reason)

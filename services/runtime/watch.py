@@ -31,6 +31,16 @@ def value_of(entry: KeyValue.Entry) -> bytes | None:
     return None if entry.operation in ("DEL", "PURGE") or not entry.value else entry.value
 
 
+class BucketCursor:
+    """How far a bucket's watch has read (the newest entry's revision), and a way to make it
+    start again from the bucket's current values: a watch whose consumer was lost with a
+    cluster node falls silent with the connection still up (`services.runtime.stall`)."""
+
+    def __init__(self) -> None:
+        self.revision = 0
+        self.restart = asyncio.Event()
+
+
 def reconnects(nc: Client) -> int:
     """How many times this client has reconnected (it changes on every new connection)."""
     return int(nc.stats["reconnects"])
@@ -44,6 +54,7 @@ async def follow_bucket(
     *,
     on_watch: Callable[[int], None] | None = None,
     on_read: Callable[[int], None] | None = None,
+    cursor: BucketCursor | None = None,
 ) -> None:
     """Feed every value of ``kv`` (current ones first, then changes) to ``on_entry``, for ever.
 
@@ -53,6 +64,7 @@ async def follow_bucket(
     ``on_watch(generation)`` is called as each watch starts, before any of its values, and
     ``on_read(generation)`` once it has fed the current values, with the connection's
     `reconnects` count they belong to (`services.fleet.settling` keeps a view's settling so).
+    With a ``cursor``, the watch keeps its revision and starts again when told to.
     """
     while True:
         seen = reconnects(nc)
@@ -64,8 +76,10 @@ async def follow_bucket(
             log.warning("bucket watch not started; trying again", error=repr(exc))
             await asyncio.sleep(1.0)
             continue
+        if cursor is not None:
+            cursor.restart.clear()
         try:
-            while reconnects(nc) == seen:
+            while reconnects(nc) == seen and not (cursor and cursor.restart.is_set()):
                 try:
                     entry = await watcher.updates(timeout=RECONNECT_CHECK_S)  # type: ignore[no-untyped-call]
                 except nats.errors.TimeoutError:
@@ -75,6 +89,8 @@ async def follow_bucket(
                     if on_read is not None:
                         on_read(seen)
                     continue
+                if cursor is not None:
+                    cursor.revision = max(cursor.revision, entry.revision or 0)
                 try:
                     on_entry(entry)
                 except msgspec.DecodeError:

@@ -11,6 +11,7 @@ from services.fleet.settling import (
     begin,
     gone,
     heard,
+    is_quiet,
     is_settled,
     read_in_full,
     retry_after_s,
@@ -113,3 +114,11 @@ def test_a_start_can_wait_for_workers_named_elsewhere() -> None:
     assert not tracker.settled(11.0, TTL)
     tracker.put(record("a", 11.0))
     assert tracker.settled(11.1, TTL)
+
+
+def test_a_registry_is_quiet_when_no_running_worker_was_heard_for_a_third_of_a_ttl() -> None:
+    fleet = [record("a", 100.0), record("b", 99.2), record("c", 200.0, state="stopping")]
+    assert not is_quiet(fleet, 100.9, ttl_s=3.0)
+    assert is_quiet(fleet, 101.0, ttl_s=3.0)  # the newest running heartbeat is 1 s old
+    assert not is_quiet([], 500.0, ttl_s=3.0)  # nobody to hear from: nothing to ask
+    assert not is_quiet([record("c", 0.0, state="stopping")], 500.0, ttl_s=3.0)

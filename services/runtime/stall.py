@@ -1,0 +1,90 @@
+"""A registry that stopped storing heartbeats while the connection stayed up.
+
+While a JetStream cluster elects the ``workers`` bucket's leader (seconds: longer than a
+TTL), no heartbeat is stored and every worker's entry ages, though the workers are fine; a
+view judged by those entries would find them all dead (the router refusing ``no_worker``, the
+reaper failing running tasks). So when a view has heard from no worker for a third of a TTL
+(`services.fleet.settling.is_quiet`), this asks whether the bucket answers (its stream's
+info, with its leader); while it does not, the view settles again, waiting for the workers that
+were live to heartbeat again (`SettlingTracker.wait_for`). The view's own watch may be what
+went quiet: its consumer lost with the node that held it, the connection still up. When the
+bucket answers with entries the watch never delivered, the watch starts again from the
+bucket's current values, and the view settles meanwhile. A quiet registry that answers, its
+watch in step, is a fleet whose workers all went silent: verdicts go ahead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from typing import Final
+
+import structlog
+from nats.js import JetStreamContext
+
+from schemas.subjects import WORKERS_BUCKET
+from schemas.workers import WorkerRecord
+from services.fleet.settling import SettlingTracker, awaited_after_outage, is_quiet
+from services.runtime.watch import BucketCursor
+
+log = structlog.get_logger("stall")
+
+# How often a view's quiet is looked at, and how long the bucket gets to answer.
+LOOK_S: Final = 0.25
+PROBE_TIMEOUT_S: Final = 0.5
+
+
+async def bucket_revision(js: JetStreamContext, bucket: str = WORKERS_BUCKET) -> int | None:
+    """The bucket's newest revision, or None when its stream does not answer (or has no
+    leader, replicated)."""
+    try:
+        info = await asyncio.wait_for(js.stream_info(f"KV_{bucket}"), PROBE_TIMEOUT_S)
+    except Exception:
+        return None
+    cluster = info.cluster
+    if cluster is not None and cluster.name and not cluster.leader:
+        return None
+    return int(info.state.last_seq)
+
+
+async def watch_stalls(
+    js: JetStreamContext,
+    settling: SettlingTracker,
+    records: Callable[[], Iterable[WorkerRecord]],
+    cursor: BucketCursor,
+    ttl_s: float,
+) -> None:
+    """Keep ``settling`` unsettled while the registry is quiet and its bucket does not answer,
+    and start the watch (``cursor``) again when it fell behind (run it as a task; cancel to
+    stop)."""
+    stalled = False
+    while True:
+        await asyncio.sleep(LOOK_S)
+        current = list(records())
+        if not is_quiet(current, time.time(), ttl_s):
+            stalled = False
+            continue
+        revision = await bucket_revision(js)
+        if revision is not None and revision <= cursor.revision:
+            if stalled:
+                log.info("the worker registry answers again")
+            stalled = False
+            continue
+        # Settle again from now: the workers live when it went quiet must be heard again.
+        settling.wait_for(time.time(), awaited_after_outage(current, ttl_s))
+        if revision is not None:
+            log.warning(
+                "the worker registry's watch fell behind (its consumer was lost?); reading "
+                "the bucket again",
+                watched=cursor.revision,
+                stored=revision,
+            )
+            cursor.restart.set()
+        elif not stalled:
+            log.warning(
+                "the worker registry stores no heartbeats (a JetStream leader election?); "
+                "no worker is judged dead until it does",
+                within_s=ttl_s,
+            )
+        stalled = revision is None
