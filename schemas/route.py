@@ -364,3 +364,18 @@ class CancelReply(Wire, frozen=True, kw_only=True):
 
     task_id: str
     status: Literal["cancelling"]
+
+
+class HoldsQuery(Wire, frozen=True, kw_only=True):
+    """Between routers, on ``coordinator.router.holds``: which of you holds this waiting route
+    request (its reply subject) or this task (being submitted, or waited on)? Only a router
+    that does answers, with a `HoldsReply`."""
+
+    task_id: str | None = None
+    reply_to: str | None = None
+
+
+class HoldsReply(Wire, frozen=True, kw_only=True):
+    """The task the asked-about request or task is, from the router that holds it."""
+
+    task_id: str

@@ -29,6 +29,10 @@ EVENTS_SUBJECTS: Final = "events.>"
 # store (and acknowledge) the requests instead of a service answering them.
 ROUTE: Final = "coordinator.route"
 CANCEL: Final = "coordinator.cancel"
+# Routers ask each other (every router listens, none in a queue group; only one that holds
+# it answers) which of them holds a waiting route request or a task being submitted: what
+# one router knows only in memory, any router can then act on (cancel, follow).
+ROUTER_HOLDS: Final = "coordinator.router.holds"
 # Where the router passes a cancel on to the workers (core NATS, one subject per task; never
 # under a stream: a cancel is a notice, the task's `failed` event is the fact).
 CANCEL_NOTICES: Final = "coordinator.cancel.*"
@@ -48,8 +52,16 @@ STATS_BASELINES: Final = "coordinator.stats.baselines"
 ALIAS_ADD: Final = "coordinator.stats.alias.add"
 ALIAS_REMOVE: Final = "coordinator.stats.alias.remove"
 ALIASES: Final = "coordinator.stats.aliases"
+# What only the stats instance that projects answers (``.stats``, ``.rebuild``): any instance
+# takes those requests and passes them on here, where only the projecting one listens.
+STATS_PROJECTING: Final = "coordinator.stats.projecting"
 
 STATS_BUCKET: Final = "stats"
+# Who acts for a role that runs active/standby (key = the role: `REAPER_ROLE`, `STATS_ROLE`;
+# value = `schemas.leaders.LeaderRecord`); its TTL is the workers' (``WORKER_TTL_S``).
+LEADERS_BUCKET: Final = "leaders"
+REAPER_ROLE: Final = "reaper"
+STATS_ROLE: Final = "stats"
 # The gateway's API keys: key = the key's name, value = its hash and metadata (never the key).
 GATEWAY_KEYS_BUCKET: Final = "gateway_keys"
 

@@ -15,6 +15,7 @@ from typing import Any
 from schemas.subjects import TASKS_STREAM, WORKERS_BUCKET
 from services.cli.replication import (
     FLEET_BUCKETS,
+    LEASE_BUCKETS,
     Replication,
     check_replicas_possible,
     set_replicas,
@@ -58,7 +59,8 @@ async def setup_streams(
         await ensure_streams(js, worker_ttl_s=worker_ttl_s, events_max_age_s=events_max_age_s)
         for bucket in FLEET_BUCKETS:
             if bucket != WORKERS_BUCKET:  # made with its TTL by ensure_streams
-                await ensure_bucket(js, bucket, ttl_s=None)
+                ttl_s = worker_ttl_s if bucket in LEASE_BUCKETS else None
+                await ensure_bucket(js, bucket, ttl_s=ttl_s)
         for pool in POOLS:  # workers may pull from these, not make or change them
             await ensure_consumer(js, pool, ack_wait_s=DEFAULT_ACK_WAIT_S)
         if replicas is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from schemas import events, queries, route, stats, tasks, vectors, workers
+from schemas import events, leaders, queries, route, stats, tasks, vectors, workers
 from schemas.models import COMPLETION, facts_in
 from schemas.subjects import TASK, WORKERS
 from services import __version__
@@ -374,6 +374,7 @@ def cmd_schemas_export(args: argparse.Namespace) -> int:
         "BenchEvent": events.BenchEvent,
         "RoutingFigure": stats.RoutingFigure,
         "WorkerRecord": workers.WorkerRecord,
+        "LeaderRecord": leaders.LeaderRecord,
         "TaskQuery": queries.TaskQuery,
         "TaskView": queries.TaskView,
         "WorkersReply": queries.WorkersReply,

@@ -20,15 +20,20 @@ from schemas.subjects import (
     CHUNKS,
     EVENTS_STREAM,
     GATEWAY_KEYS_BUCKET,
+    LEADERS_BUCKET,
+    REAPER_ROLE,
     REAPER_SERVICE,
     REAPER_STATUS,
     ROUTE,
+    ROUTER_HOLDS,
     SHARED_CONSUMER,
     STATS,
     STATS_BASELINES,
     STATS_BUCKET,
     STATS_CONSUMER,
     STATS_EXCLUSIONS,
+    STATS_PROJECTING,
+    STATS_ROLE,
     TASK,
     TASKS_STREAM,
     WEB_CONSUMER,
@@ -122,6 +127,17 @@ _REGISTRY_READS = [
 _MICRO = ["$SRV.>"]
 
 
+def _leader_lease(role: str) -> list[str]:
+    """An active/standby role's lease (`services.runtime.leadership`): its own key of the
+    ``leaders`` bucket only, to take, renew, read and delete; never another role's."""
+    bucket = _kv(LEADERS_BUCKET)
+    return [
+        f"$KV.{LEADERS_BUCKET}.{role}",
+        f"$JS.API.STREAM.MSG.GET.{bucket}",
+        f"$JS.API.DIRECT.GET.{bucket}.$KV.{LEADERS_BUCKET}.{role}",
+    ]
+
+
 # What a client may ask the stats service: figures, and the lists behind them.
 _STATS_READS = [STATS, STATS_EXCLUSIONS, STATS_BASELINES, ALIASES]
 
@@ -199,6 +215,10 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 "$SRV.PING.coordinator-router",
                 # Whether a reaper runs decides who moves a retryable failure on.
                 f"$SRV.PING.{REAPER_SERVICE}",
+                # Which router holds a waiting request or a task being submitted.
+                ROUTER_HOLDS,
+                # The tasks under way at its start, read back (router/backlog.py).
+                f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.*.events.task.>",
             ],
             subscribe=[
                 _own_inbox(user),
@@ -206,6 +226,7 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 ROUTE,
                 WORKERS,
                 "coordinator.cancel",
+                ROUTER_HOLDS,
                 "events.task.>",
                 "events.worker.*.duplicate",
                 # Streamed answers, passed on to the client that asked (router/relay.py).
@@ -229,6 +250,9 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 "events.stats.>",
                 f"$KV.{STATS_BUCKET}.>",
                 *_KV_WATCH,
+                *_leader_lease(STATS_ROLE),
+                # What a standby passes on to the instance that projects.
+                f"{STATS_PROJECTING}.*",
                 "$SRV.PING.coordinator-stats",
             ],
             subscribe=[_own_inbox(user), *_MICRO, TASK, STATS, "coordinator.stats.>"],
@@ -264,6 +288,7 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 "coordinator.cancel.*",
                 *_KV_WATCH,
                 *_ALIASES,
+                *_leader_lease(REAPER_ROLE),
                 f"$SRV.PING.{REAPER_SERVICE}",  # its health check
             ],
             subscribe=[

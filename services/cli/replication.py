@@ -31,6 +31,7 @@ from schemas.subjects import (
     ASLEEP_BUCKET,
     EVENTS_STREAM,
     GATEWAY_KEYS_BUCKET,
+    LEADERS_BUCKET,
     STATS_BUCKET,
     TASKS_STREAM,
     WORKERS_BUCKET,
@@ -38,7 +39,15 @@ from schemas.subjects import (
 from services.runtime.errors import ConfigError, Unavailable
 
 # Every bucket `coordinator setup` makes, and with the two streams every stream the fleet keeps.
-FLEET_BUCKETS: Final = (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET, GATEWAY_KEYS_BUCKET)
+FLEET_BUCKETS: Final = (
+    WORKERS_BUCKET,
+    STATS_BUCKET,
+    ASLEEP_BUCKET,
+    GATEWAY_KEYS_BUCKET,
+    LEADERS_BUCKET,
+)
+# The buckets whose entries are leases: their TTL is the workers' (``WORKER_TTL_S``).
+LEASE_BUCKETS: Final = (WORKERS_BUCKET, LEADERS_BUCKET)
 FLEET_STREAMS: Final = (TASKS_STREAM, EVENTS_STREAM, *(f"KV_{b}" for b in FLEET_BUCKETS))
 # JetStream's answer when no set of servers can hold the replicas asked for.
 NO_SUITABLE_PEERS: Final = 10005

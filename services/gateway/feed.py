@@ -83,6 +83,8 @@ _stats_decoder = msgspec.json.Decoder(StatsReply)
 _exclusions_decoder = msgspec.json.Decoder(ExclusionsReply)
 _baselines_decoder = msgspec.json.Decoder(BaselinesReply)
 _status_decoder = msgspec.json.Decoder(dict[str, Any])
+# How many times the reaper's status is asked for, to reach the active instance.
+REAPER_TRIES = 4
 
 
 class Pulse:
@@ -304,8 +306,14 @@ class Feed:
         self.known.aliases = fleet.aliases
 
     async def _read_reaper(self) -> None:
+        """The active reaper's status: any instance may answer (one queue group), and a
+        standby's counts are its own, so a standby's answer is asked again a few times."""
         self.known.reaper = None
-        self.known.reaper = _status_decoder.decode(await self._call(REAPER_STATUS, {}))
+        for _ in range(REAPER_TRIES):
+            status = _status_decoder.decode(await self._call(REAPER_STATUS, {}))
+            self.known.reaper = status
+            if status.get("role") != "standby":
+                return
 
     async def _read_figures(self) -> None:
         self.known.figures = _stats_decoder.decode(await self._call(STATS, StatsQuery())).figures

@@ -4,6 +4,11 @@ Its parts: ``feeds`` (the registry, the sleepers, the event log and consumer sam
 into the view), ``detectors`` and ``decisions`` (pure: what is wrong, what to do about it),
 ``handling`` (carrying the decisions out, once per finding) and ``actions`` (the writes).
 
+Any number may run; one acts (`services.runtime.leadership`: the ``reaper`` lease in the
+``leaders`` bucket). A standby keeps its view up to date as the active one does, so that it
+judges from a full view the moment it takes over, and answers ``coordinator.reaper.status``
+(saying ``standby``, and who is active); it looks at nothing and writes nothing.
+
 While the bus is away no heartbeat can arrive, so after a (re)connect no worker is judged not
 live until the registry has settled (`services.fleet.settling`: read again, and the workers
 live before heard from again, or a full ``WORKER_TTL_S`` passed): a nats-server restart does
@@ -24,7 +29,14 @@ from nats.js import JetStreamContext
 from nats.micro import add_service
 from nats.micro.service import Service
 
-from schemas.subjects import ASLEEP_BUCKET, REAPER_SERVICE, REAPER_STATUS, STATS_BUCKET
+from schemas.subjects import (
+    ASLEEP_BUCKET,
+    LEADERS_BUCKET,
+    REAPER_ROLE,
+    REAPER_SERVICE,
+    REAPER_STATUS,
+    STATS_BUCKET,
+)
 from services import __version__
 from services.reaper.detectors import Snapshot, Thresholds, detect
 from services.reaper.feeds import Feeds
@@ -32,6 +44,7 @@ from services.reaper.handling import FindingHandler
 from services.reaper.view import ReaperView
 from services.runtime.bus import connect, ensure_bucket, ensure_streams
 from services.runtime.endpoints import add_endpoint
+from services.runtime.leadership import Leadership
 from services.runtime.lifecycle import TaskSet
 from services.runtime.settings import ReaperSettings
 
@@ -57,13 +70,21 @@ class Reaper:
         self.feeds = Feeds(nc, self.js, self.view, settings)
         self.handler = FindingHandler(nc, self.view, settings)
         self.tasks = TaskSet()
+        self.leadership: Leadership | None = None
         self._service: Service | None = None
 
     async def start(self) -> None:
-        """Read the registry and the recent event log, then be ready to look."""
+        """Read the registry and the recent event log, then be ready to look (once active)."""
         workers = await ensure_streams(self.js, worker_ttl_s=self.settings.worker_ttl_s)
         asleep = await ensure_bucket(self.js, ASLEEP_BUCKET, ttl_s=None)
         stats = await ensure_bucket(self.js, STATS_BUCKET, ttl_s=None)
+        leaders = await ensure_bucket(self.js, LEADERS_BUCKET, ttl_s=self.settings.worker_ttl_s)
+        self.leadership = Leadership(
+            leaders,
+            REAPER_ROLE,
+            ttl_s=self.settings.worker_ttl_s,
+            interval_s=self.settings.heartbeat_interval_s,
+        )
         await self.feeds.start(workers, asleep, stats, self.tasks)
         # Answers PING (the router waits for retryable failures to move on only while it does)
         # and a status request, for people and `coordinator health`.
@@ -92,7 +113,16 @@ class Reaper:
         log.info("reaper stopped", moved=h.moved, failed=h.failed, duplicates=h.duplicates)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Look every ``REAPER_INTERVAL_S`` until ``stop``; a failed look is logged, not fatal."""
+        """Stand by, or look and act while this instance holds the reaper's lease, until
+        ``stop``."""
+        assert self.leadership is not None
+        await self.leadership.run(
+            lambda: self.look_until(stop), stop, stop_grace_s=self.settings.reaper_interval_s
+        )
+
+    async def look_until(self, stop: asyncio.Event) -> None:
+        """Look every ``REAPER_INTERVAL_S`` until ``stop`` (or until cancelled: this instance
+        no longer acts); a failed look is logged, not fatal."""
         while not stop.is_set():
             with suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.settings.reaper_interval_s)
@@ -104,10 +134,20 @@ class Reaper:
                 log.warning("look failed; trying again next time", error=repr(exc))
 
     async def handle_status(self, body: bytes) -> bytes:
-        """``coordinator.reaper.status``: what the reaper sees and has done since it started."""
+        """``coordinator.reaper.status``: whether this instance acts (``role``: active or
+        standby) and which instance does (``active``), what it sees, and what it has done
+        since it started."""
+        assert self.leadership is not None
         open_tasks = Counter(t.status for t in self.view.tasks.values() if t.open)
+        holder = await self.leadership.holder()
         return _encoder.encode(
             {
+                "role": self.leadership.state,
+                "role_since": self.leadership.since,
+                "instance": self.leadership.instance_id,
+                "active": None
+                if holder is None
+                else {"instance": holder.instance_id, "host": holder.host, "pid": holder.pid},
                 "open_tasks": dict(sorted(open_tasks.items())),
                 "workers": sorted(self.view.workers),
                 "moved": self.handler.moved,

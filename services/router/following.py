@@ -7,7 +7,9 @@ whichever router takes the request reads the task from the event log (its ``subm
 latest ``routed``, its outcome if it has one) and answers: at once for a task that has ended
 or a client that does not wait, else when the task ends, by the same rules as the first
 request (`services.router.waiting`). A router already waiting on that reply subject for the
-task stays silent: its one answer comes at the end.
+task stays silent: its one answer comes at the end; so does any other router, once the one
+waiting says so (`services.router.peers`), so that a client whose request was asked again of
+another router while the first one lives still gets one answer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
+import structlog
 from nats.js import JetStreamContext
 
 from schemas.events import TaskCompleted, TaskFailed, TaskRouted, TaskSubmitted, task_event_decoder
@@ -24,9 +27,12 @@ from schemas.subjects import task_event
 from schemas.tasks import is_retryable
 from services.fleet.binding import Supports
 from services.router.ending import wait_for_end
+from services.router.peers import Peers
 from services.router.records import ended_reply, latest_outcome
 from services.router.waiting import Waiter
 from services.runtime.outcomes import last_on, stored_ends
+
+log = structlog.get_logger("router")
 
 # What a waiting request allows beyond the task's own timeout, as for the first request.
 FOLLOW_MARGIN_S: Final = 30.0
@@ -56,23 +62,29 @@ class Follower:
         *,
         moves_on: Callable[[], Awaitable[bool]],
         supports: Supports,
+        peers: Peers,
     ) -> None:
         self.js = js
         self.waiters = waiters
         self.waiting_on = waiting_on
         self.moves_on = moves_on
         self.supports = supports
+        self.peers = peers
 
     async def answer(
         self, request: RouteRequest, task_id: str, reply_to: str
     ) -> RouteReply | Unsubmitted | None:
         """The reply for a request naming ``task_id``; `UNSUBMITTED` when the task is new;
-        None when this router already answers ``reply_to`` for it (no second reply)."""
+        None when this router, or another, already answers ``reply_to`` for it (no second
+        reply)."""
         if reply_to and self.waiting_on.get(reply_to) == task_id:
             return None
         submitted = await stored(self.js, task_id, "submitted")
         if not isinstance(submitted, TaskSubmitted):
             return UNSUBMITTED
+        if reply_to and await self.peers.holder_of(reply_to=reply_to) == task_id:
+            log.info("asked again; another router answers it", task_id=task_id)
+            return None
         routed = await stored(self.js, task_id, "routed")
         routing = routed if isinstance(routed, TaskRouted) else None
         queue = routing.queue if routing is not None else ""

@@ -53,12 +53,14 @@ from schemas.tasks import is_retryable
 from services import __version__
 from services.fleet import liveness
 from services.fleet.binding import refusal
+from services.router.backlog import Backlog
 from services.router.cancelling import Canceller
 from services.router.decide import Plan, Submission, decide, submission
 from services.router.ending import wait_for_end
 from services.router.feeds import apply_figure, apply_sleeper
 from services.router.following import Follower, Unsubmitted
 from services.router.listing import Problems, workers_reply
+from services.router.peers import Peers
 from services.router.reaper_watch import ReaperWatch
 from services.router.records import outcome_reply, queued_reply
 from services.router.registry import RegistryFeed
@@ -119,14 +121,22 @@ class Router:
         self._problems_sub: Subscription | None = None
         self._chunk_sub: Subscription | None = None
         self.relay = ChunkRelay(nc, self.view.inflight)
+        self.backlog = Backlog(self.js, self._on_task_event)
+        # How long a task stays in the view without an end seen: its timeout and a margin.
+        self._max_age_s = settings.default_timeout_s + WAIT_MARGIN_S
+        # What this router holds in memory, for the others to ask, and theirs for it.
+        self.peers = Peers(nc, self._waiters, self._waiting_on)
         self.follower = Follower(
             self.js,
             self._waiters,
             self._waiting_on,
             moves_on=self.reaper.runs,
             supports=self.supports,
+            peers=self.peers,
         )
-        self.canceller = Canceller(nc, self.view.inflight, self._waiters, self._waiting_on)
+        self.canceller = Canceller(
+            nc, self.view.inflight, self._waiters, self._waiting_on, self.peers
+        )
         self._service: Service | None = None
 
     async def start(self) -> None:
@@ -137,7 +147,7 @@ class Router:
         # Only the kinds routing needs: `submitted` (the largest event) and `started` would be
         # two more deliveries per task. A woken worker's `started` is asked for per task.
         self._event_subs = [
-            await self.nc.subscribe(subject, cb=self._on_task_event)
+            await self.nc.subscribe(subject, cb=self.backlog.live)
             for subject in (
                 "events.task.*.routed",
                 "events.task.*.failed",  # the router's and the reaper's
@@ -148,18 +158,9 @@ class Router:
             "events.worker.*.duplicate", cb=self._on_duplicate
         )
         self._chunk_sub = await self.nc.subscribe(CHUNKS, cb=self.relay.on_chunk)
+        await self.peers.start()
         ready = [asyncio.Event(), asyncio.Event(), asyncio.Event()]
-        self.tasks.spawn(
-            follow_bucket(
-                self.nc,
-                workers,
-                self.registry.on_entry,
-                ready[0],
-                on_watch=self.registry.on_watch,
-                on_read=self.registry.on_read,
-            ),
-            name="watch-workers",
-        )
+        self.registry.follow(self.js, workers, ready[0], self.tasks)
         # Each bucket is watched again after a reconnect (a restarted server lost the watch).
         for kv, apply, name, done in (
             (figures, apply_figure, "watch-stats", ready[1]),
@@ -170,6 +171,9 @@ class Router:
             )
         self.tasks.spawn(self.reaper.watch(), name="ping-reaper")
         await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), timeout=10)
+        # The tasks under way before this router started, as the other routers count them (a
+        # pool member's outcome is judged by the registry: read first).
+        await self.backlog.read_back(self._max_age_s)
         self._service = await add_service(
             self.nc,
             name="coordinator-router",
@@ -188,6 +192,7 @@ class Router:
             if sub is not None:
                 with suppress(Exception):
                     await sub.unsubscribe()
+        await self.peers.stop()
         await self.aliases.stop()
         await self.tasks.wait(timeout_s=1.0)
 
@@ -274,7 +279,12 @@ class Router:
             if not isinstance(followed, Unsubmitted):
                 return followed
         now = time.time()
-        plan = self._decide(admitted.routed, now)
+        try:
+            plan = self._decide(admitted.routed, now)
+        except (NoWorker, UnsupportedCapability):
+            await self.registry.look_again(self.js)  # a refusal on a view just healed?
+            now = time.time()
+            plan = self._decide(admitted.routed, now)
         task = self._new_task(admitted, plan, now)
         try:
             async with self._tracking(task) as tracking:
@@ -305,7 +315,7 @@ class Router:
         if now >= self._next_expiry:
             # A scan of every task in flight: once a second is plenty for ages of minutes.
             self._next_expiry = now + EXPIRE_INTERVAL_S
-            self.view.expire(now, max_age_s=self.settings.default_timeout_s + WAIT_MARGIN_S)
+            self.view.expire(now, max_age_s=self._max_age_s)
         live = liveness.live(self.view.workers.values(), now, self.settings.worker_ttl_s)
         try:
             plan = decide(

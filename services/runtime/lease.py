@@ -1,9 +1,16 @@
-"""The registry entry as a lease: one live process per worker id (lesson 2).
+"""A key of a KV bucket held as a lease: one live process per worker id (lesson 2), one
+acting instance per active/standby role (`services.runtime.leadership`).
 
-A process ``create``s its key at start; if the key exists and its holder's heartbeat is fresh,
-the start is refused naming the holder. Each heartbeat ``update``s the key with the expected
+One rule for both: a process ``create``s the key to take it; if the key exists and its
+holder's heartbeat is fresh (`services.fleet.liveness`), it is refused, else it takes the
+key over with ``update(last=revision)``. Each heartbeat ``update``s the key with the expected
 revision, so when another process has taken the key over the update fails and this one knows
-it must stop. The bucket's TTL frees the key of a process that died without a word.
+it must stop. The bucket's TTL frees the key of a process that died without a word. A holder
+whose heartbeats have not been stored for nearly a TTL (`KeyLease.in_touch`) stops its work
+before anyone may judge its entry stale and take over.
+
+`KeyLease` is the rule; `Lease` is a worker's registry entry, which refuses a second process
+with the same worker id naming the live one.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 import structlog
@@ -21,7 +29,7 @@ from nats.js.kv import KeyValue
 
 from schemas.events import WorkerStopped
 from schemas.workers import WorkerRecord, worker_record_decoder
-from services.fleet.liveness import in_touch, is_live
+from services.fleet.liveness import in_touch, is_fresh, is_live
 from services.runtime.bus import is_wrong_last_sequence, publish_event
 from services.runtime.errors import DuplicateWorker, LeaseLost
 
@@ -33,94 +41,136 @@ log = structlog.get_logger("lease")
 _encoder = msgspec.json.Encoder()
 
 
-class Lease:
-    """This process's hold on ``worker_id`` in the ``workers`` bucket."""
+class HolderRecord(Protocol):
+    """What a lease's value must say: whose it is, and when it was last renewed."""
+
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def heartbeat_at(self) -> float: ...
+
+
+R = TypeVar("R", bound=HolderRecord)
+
+
+class _Holder(msgspec.Struct, frozen=True):
+    """The two fields of any lease value the rule needs (a view: the rest is ignored)."""
+
+    instance_id: str
+    heartbeat_at: float
+
+
+_holder_decoder = msgspec.json.Decoder(_Holder)
+
+
+class KeyLease(Generic[R]):
+    """This process's hold on ``key`` in ``kv``; ``record()`` is the value each write stores
+    (this instance's, with the time of the write as ``heartbeat_at``). ``log_fields`` name
+    the lease in log lines."""
 
     def __init__(
-        self, kv: KeyValue, worker_id: str, ttl_s: float, record: Callable[[], WorkerRecord]
+        self,
+        kv: KeyValue,
+        key: str,
+        ttl_s: float,
+        record: Callable[[], R],
+        log_fields: dict[str, Any] | None = None,
     ) -> None:
         self.kv = kv
-        self.worker_id = worker_id
+        self.key = key
         self.ttl_s = ttl_s
         self.record = record
+        self.log_fields = log_fields if log_fields is not None else {"key": key}
         self.revision: int | None = None
         self.lost = asyncio.Event()
         # When the last entry the server stored was written (its ``heartbeat_at``): what every
-        # other service judges this worker's liveness by.
+        # other process judges this holder's freshness by.
         self.stored_at: float | None = None
 
-    async def acquire(self) -> None:
-        """Take the key, or raise `DuplicateWorker` naming the live holder."""
+    def holder_live(self, value: bytes, now: float) -> bool:
+        """Does the entry ``value`` belong to a live holder (its heartbeat fresh)?"""
+        try:
+            holder = _holder_decoder.decode(value)
+        except msgspec.DecodeError:
+            return False  # not a lease value at all: nobody holds it
+        return is_fresh(holder.heartbeat_at, now, self.ttl_s)
+
+    async def take(self) -> bytes | None:
+        """Take the key: None once it is this process's; the live holder's entry when that
+        holder refuses it (the key is left as it is)."""
+        self.lost.clear()
+        self.revision = None
         record = self.record()
         value = _encoder.encode(record)
         try:
-            self.revision = await self.kv.create(self.worker_id, value)
+            self.revision = await self.kv.create(self.key, value)
             self.stored_at = record.heartbeat_at
-            return
+            return None
         except KeyWrongLastSequenceError:
             pass
-        entry = await self.kv.get(self.worker_id)
-        holder = worker_record_decoder.decode(entry.value or b"")
-        now = time.time()
-        if is_live(holder, now, self.ttl_s):
-            age = now - holder.heartbeat_at
-            started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(holder.started_at))
-            raise DuplicateWorker(
-                f"worker id '{self.worker_id}' is already running: host {holder.host}, "
-                f"pid {holder.pid}, started {started}, last heartbeat {age:.1f} s ago. Stop that "
-                "instance first (two units starting the same worker make every task twice as slow)."
-            )
-        # The holder is gone but its entry has not expired yet: take it over.
-        self.revision = await self.kv.update(self.worker_id, value, last=entry.revision)
+        entry = await self.kv.get(self.key)
+        held = entry.value or b""
+        if self.holder_live(held, time.time()) and not self._mine(held):
+            return held
+        # The holder is gone but its entry has not expired yet (or it is this instance's own,
+        # from before it stopped for want of touch): take it over.
+        self.revision = await self.kv.update(self.key, value, last=entry.revision)
         self.stored_at = record.heartbeat_at
+        return None
 
     async def renew(self) -> None:
         """Refresh the entry; raise `LeaseLost` (and set ``lost``) when another process took it."""
         record = self.record()
         try:
             self.revision = await self.kv.update(
-                self.worker_id, _encoder.encode(record), last=self.revision
+                self.key, _encoder.encode(record), last=self.revision
             )
             self.stored_at = record.heartbeat_at
         except (KeyWrongLastSequenceError, NotFoundError) as exc:
             if await self._still_mine():
                 return
             self.lost.set()
-            raise LeaseLost(f"lease of worker '{self.worker_id}' lost: {exc}") from exc
+            raise LeaseLost(f"lease of {self.describe()} lost: {exc}") from exc
+
+    def describe(self) -> str:
+        """The lease as log lines and errors name it."""
+        return f"'{self.key}'"
 
     def in_touch(self, now: float, interval_s: float) -> bool:
-        """May this worker go on working (`services.fleet.liveness.in_touch`)?"""
+        """May the holder go on working (`services.fleet.liveness.in_touch`)?"""
         return self.stored_at is not None and in_touch(self.stored_at, now, self.ttl_s, interval_s)
 
     async def _still_mine(self) -> bool:
         """After a refused update: hold the key again if nobody else does.
 
         With a TTL of a few seconds, a nats-server restart can outlast the entry (nobody holds
-        the id then: create it again), and a reconnect can lose the acknowledgement of an update
-        that was stored (the entry is this instance's, at a newer revision). Only an entry of
-        another instance means the lease was taken.
+        the key then: create it again), and a reconnect can lose the acknowledgement of an
+        update that was stored (the entry is this instance's, at a newer revision). Only an
+        entry of another instance means the lease was taken.
         """
         record = self.record()
         try:
-            entry = await self.kv.get(self.worker_id)
+            entry = await self.kv.get(self.key)
         except NotFoundError:  # expired or deleted
             try:
-                self.revision = await self.kv.create(self.worker_id, _encoder.encode(record))
+                self.revision = await self.kv.create(self.key, _encoder.encode(record))
             except KeyWrongLastSequenceError:
                 return False  # another instance created it first
             self.stored_at = record.heartbeat_at
-            log.warning(
-                "lease entry had expired (bus outage?); taken again", worker_id=self.worker_id
-            )
+            log.warning("lease entry had expired (bus outage?); taken again", **self.log_fields)
             return True
-        holder = worker_record_decoder.decode(entry.value or b"")
-        if holder.instance_id != record.instance_id:
+        if not self._mine(entry.value or b""):
             return False
-        self.revision = await self.kv.update(
-            self.worker_id, _encoder.encode(record), last=entry.revision
-        )
+        self.revision = await self.kv.update(self.key, _encoder.encode(record), last=entry.revision)
         self.stored_at = record.heartbeat_at
         return True
+
+    def _mine(self, value: bytes) -> bool:
+        try:
+            return _holder_decoder.decode(value).instance_id == self.record().instance_id
+        except msgspec.DecodeError:
+            return False
 
     async def keep(self, interval_s: float) -> None:
         """Renew every ``interval_s`` until the lease is lost (run it as a task, cancel to stop).
@@ -138,10 +188,10 @@ class Lease:
             try:
                 await self.renew()
             except LeaseLost as exc:
-                log.error("lease lost; stopping", worker_id=self.worker_id, error=exc.message)
+                log.error("lease lost; stopping", error=exc.message, **self.log_fields)
                 return
             except Exception as exc:  # the bus is reconnecting: try again next beat
-                log.warning("heartbeat failed", worker_id=self.worker_id, error=repr(exc))
+                log.warning("heartbeat failed", error=repr(exc), **self.log_fields)
 
     async def release(self) -> None:
         """Delete the entry if this process still holds it.
@@ -153,14 +203,44 @@ class Lease:
             return
         with suppress(Exception):
             try:
-                await self.kv.delete(self.worker_id, last=self.revision)
+                await self.kv.delete(self.key, last=self.revision)
             except APIError as exc:
                 if not is_wrong_last_sequence(exc):
                     raise
-                entry = await self.kv.get(self.worker_id)
-                holder = worker_record_decoder.decode(entry.value or b"")
-                if holder.instance_id == self.record().instance_id:
-                    await self.kv.delete(self.worker_id, last=entry.revision)
+                entry = await self.kv.get(self.key)
+                if self._mine(entry.value or b""):
+                    await self.kv.delete(self.key, last=entry.revision)
+
+
+class Lease(KeyLease[WorkerRecord]):
+    """This worker process's hold on ``worker_id`` in the ``workers`` bucket."""
+
+    def __init__(
+        self, kv: KeyValue, worker_id: str, ttl_s: float, record: Callable[[], WorkerRecord]
+    ) -> None:
+        super().__init__(kv, worker_id, ttl_s, record, log_fields={"worker_id": worker_id})
+        self.worker_id = worker_id
+
+    def holder_live(self, value: bytes, now: float) -> bool:
+        """A worker is live while its heartbeat is fresh and it is not stopping (`is_live`)."""
+        return is_live(worker_record_decoder.decode(value), now, self.ttl_s)
+
+    def describe(self) -> str:
+        return f"worker '{self.worker_id}'"
+
+    async def acquire(self) -> None:
+        """Take the key, or raise `DuplicateWorker` naming the live holder."""
+        held = await self.take()
+        if held is None:
+            return
+        holder = worker_record_decoder.decode(held)
+        age = time.time() - holder.heartbeat_at
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(holder.started_at))
+        raise DuplicateWorker(
+            f"worker id '{self.worker_id}' is already running: host {holder.host}, "
+            f"pid {holder.pid}, started {started}, last heartbeat {age:.1f} s ago. Stop that "
+            "instance first (two units starting the same worker make every task twice as slow)."
+        )
 
 
 async def deregister(lease: Lease | None, js: JetStreamContext, reason: str) -> None:

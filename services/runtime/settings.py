@@ -6,6 +6,7 @@ required variable or a malformed value stops the start with an error naming the 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -161,6 +162,17 @@ def check_gpu_preference(value: float) -> None:
         )
 
 
+def check_lease_timing(heartbeat_interval_s: float, worker_ttl_s: float) -> None:
+    """A lease renewed every ``HEARTBEAT_INTERVAL_S`` stays fresh between two renewals only
+    when ``WORKER_TTL_S`` is longer than two intervals (its holder stops one interval before
+    the TTL: `services.fleet.liveness.in_touch`)."""
+    if heartbeat_interval_s <= 0 or worker_ttl_s <= 2 * heartbeat_interval_s:
+        raise ConfigError(
+            "WORKER_TTL_S must be longer than twice HEARTBEAT_INTERVAL_S (> 0): a lease "
+            "renewed every interval must stay fresh for one more"
+        )
+
+
 class RouterSettings(Settings, frozen=True, kw_only=True):
     max_prompt_chars: int = 200_000
     default_timeout_s: float = 300.0
@@ -189,6 +201,10 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
     openai_base_url: str = "http://localhost:8080/v1"
     openai_api_key: str | None = None
     wol_mac: str | None = None
+    worker_memory_gb: float | None = None
+    """How much of models the backend holds in memory (GB, as ``ollama ps`` counts them:
+    10^9 bytes), for routing to tell what a load would push out; unset: the most the worker
+    has seen held at once."""
     shared_queue: bool = True
     """CPU workers also pull ``tasks.cpu.shared``."""
     sanity_check: bool = True
@@ -235,6 +251,14 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
                 raise ConfigError(f"{name.upper()} must be a positive number of seconds")
         if self.health_idle_probe_s < 0:
             raise ConfigError("HEALTH_IDLE_PROBE_S must not be negative (0: never)")
+        if self.worker_memory_gb is not None and not 0 < self.worker_memory_gb < math.inf:
+            raise ConfigError("WORKER_MEMORY_GB must be a positive number of GB")
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """``WORKER_MEMORY_GB`` in bytes (None: unset)."""
+        gb = self.worker_memory_gb
+        return None if gb is None else round(gb * 1e9)
 
 
 def default_web_worker_id() -> str:
@@ -295,13 +319,23 @@ class WebSearchSettings(Settings, frozen=True, kw_only=True):
 class StatsSettings(Settings, frozen=True, kw_only=True):
     pg_dsn: str
     batch_size: int = 256
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
+    """The projection's lease in the ``leaders`` bucket: renewed every heartbeat interval,
+    taken over by a standby once older than the TTL (`services.runtime.leadership`)."""
+
+    def check(self) -> None:
+        check_lease_timing(self.heartbeat_interval_s, self.worker_ttl_s)
 
 
 class ReaperSettings(Settings, frozen=True, kw_only=True):
     """``coordinator reaper``: how often it looks, and how long each problem may last."""
 
     worker_ttl_s: float = DEFAULT_WORKER_TTL_S
-    """A worker whose last heartbeat is older than this is dead (the workers' own setting)."""
+    """A worker whose last heartbeat is older than this is dead (the workers' own setting);
+    also the TTL of the reaper's own lease in the ``leaders`` bucket."""
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    """How often the active reaper renews its lease (`services.runtime.leadership`)."""
     reaper_interval_s: float = 1.0
     stuck_grace_s: float = 30.0
     """A task running this long past its own timeout is stuck."""
@@ -329,6 +363,7 @@ class ReaperSettings(Settings, frozen=True, kw_only=True):
             raise ConfigError("DUPLICATE_SAMPLES must be at least 1")
         if self.max_attempts < 1:
             raise ConfigError("MAX_ATTEMPTS must be at least 1")
+        check_lease_timing(self.heartbeat_interval_s, self.worker_ttl_s)
 
 
 class GatewaySettings(Settings, frozen=True, kw_only=True):

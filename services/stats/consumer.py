@@ -30,6 +30,7 @@ from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS, STATS_CONSUMER, tas
 from services.runtime.errors import Unavailable, Unstorable
 from services.runtime.tracing import extract_context, spans_recorded
 from services.stats.projector import Item
+from services.stats.rebuild import replay
 from services.stats.rows import FigureKey
 from services.stats.store import Store
 
@@ -100,6 +101,53 @@ class ProjectionConsumer:
     async def ensure_consumer(self) -> None:
         """Create the durable consumer, or bring an existing one to this configuration."""
         await self.js.add_consumer(EVENTS_STREAM, consumer_config())
+
+    async def catch_up(self) -> int:
+        """Before the first fetch of a start or a takeover: apply, in stream order, the
+        events the durable consumer handed out that nobody has acknowledged (the batch a
+        previous instance had in hand when it died or stood down); how many were new.
+
+        The consumer would hand them out again only after their ack wait, behind newer
+        events: a task's ``completed`` could then be applied before its ``submitted`` and
+        ``routed``, and its outcome counted under the wrong domain. Read again from the
+        stream here, they come in order; what the previous instance had committed is
+        recognised by its tracking rows, and the redeliveries that follow are acked as
+        duplicates. A catch-up that fails is logged: the redeliveries still come.
+        """
+        try:
+            info = await self.js.consumer_info(EVENTS_STREAM, STATS_CONSUMER)
+            first = info.ack_floor.stream_seq + 1 if info.ack_floor is not None else 1
+            last = info.delivered.stream_seq if info.delivered is not None else 0
+            if not info.num_ack_pending or last < first:
+                return 0
+            log.info("catching up on events handed out before", first_seq=first, last_seq=last)
+            applied = await replay(self.js, first, last, self._apply_in_order, self.batch_size)
+        except Exception as exc:
+            log.warning(
+                "catch-up failed; the events handed out before come again after their ack wait",
+                error=repr(exc),
+            )
+            return 0
+        log.info("caught up", first_seq=first, last_seq=last, fresh=applied)
+        return applied
+
+    async def _apply_in_order(self, items: list[Item]) -> int:
+        """One catch-up batch, under the batch lock; one event at a time when the batch
+        fails (an event PostgreSQL cannot store is left to the consumer's redelivery)."""
+        async with self.batch_lock:
+            try:
+                results = [await self.store.apply_batch(items)]
+            except Unstorable:
+                results = []
+                for item in items:
+                    with suppress(Unstorable):
+                        results.append(await self.store.apply_batch([item]))
+        applied = 0
+        for projected in results:
+            self._touched(projected.touched)
+            applied += projected.applied
+        self.counters.projected += applied
+        return applied
 
     async def run(self, sub: JetStreamContext.PullSubscription) -> None:
         """Fetch and apply batches until stopped; trouble pauses the loop, never ends it."""

@@ -5,6 +5,10 @@
 ``coordinator.stats.aliases``, ``coordinator.stats.rebuild`` and ``coordinator.stats.baselines``.
 Operator decisions (exclusions, aliases) are published as events and the reply comes once they
 are projected, so a ``coordinator stats`` right after shows their effect.
+
+Every instance of the service answers them, standing by or not: they read PostgreSQL, or
+record an event that the projecting instance applies; only the figures and the rebuild
+(`PROJECTING_ONLY`) need the projecting instance itself, and the service passes those on.
 """
 
 from __future__ import annotations
@@ -73,6 +77,11 @@ log = structlog.get_logger("stats")
 PROJECTED_WAIT_S: Final = 5.0
 
 T = TypeVar("T")
+
+# The endpoints whose answer needs the instance that projects: the figures (it first brings
+# up to date the figure rows its own batches touched) and the rebuild (it pauses the
+# projection in that process, and brings the routing figures' bucket in line after).
+PROJECTING_ONLY: Final = frozenset({"stats", "rebuild"})
 
 
 class StatsEndpoints:

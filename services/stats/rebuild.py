@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -105,14 +106,15 @@ async def rebuild(
             await _prepare(conn)
         first_target = await _last_seq(js)
         log.info("rebuild started", up_to=first_target, live_schema=live)
-        applied = await _replay(js, conn, 1, first_target, batch_size)
+        fresh = functools.partial(_apply, conn)
+        applied = await replay(js, 1, first_target, fresh, batch_size)
         async with pause if pause is not None else contextlib.nullcontext():
             with database_errors():
                 await conn.execute("SELECT pg_advisory_lock($1)", PROJECTION_LOCK)
             try:
                 last = await _last_seq(js)
                 if last > first_target:
-                    applied += await _replay(js, conn, first_target + 1, last, batch_size)
+                    applied += await replay(js, first_target + 1, last, fresh, batch_size)
                 with database_errors():
                     async with conn.transaction():
                         await refresh_figures(conn)
@@ -174,13 +176,20 @@ async def _last_seq(js: JetStreamContext) -> int:
     return int(info.state.last_seq or 0)
 
 
-async def _replay(
-    js: JetStreamContext, conn: Connection, start: int, until: int, batch_size: int
+async def replay(
+    js: JetStreamContext,
+    start: int,
+    until: int,
+    apply: Callable[[list[Item]], Awaitable[int]],
+    batch_size: int = BATCH_SIZE,
 ) -> int:
-    """Apply the events at sequences [start, until] to the fresh tables; how many applied.
+    """Read the events at sequences [start, until] in stream order, through an ordered
+    consumer (nothing is acknowledged), and ``apply`` them in batches; how many it applied.
 
+    The rebuild fills the fresh tables with it; the live projection, taking over, applies
+    the events a previous instance had in hand (`consumer.ProjectionConsumer.catch_up`).
     Receiving and decoding (the subscription's callback) run while the previous batch is
-    written, so PostgreSQL and the bus are busy at the same time.
+    applied, so PostgreSQL and the bus are busy at the same time.
     """
     if until < start:
         return 0
@@ -234,11 +243,11 @@ async def _replay(
                 # Nothing more: the rest up to `until` has aged out of the stream.
                 finished = True
                 item, batch = batch, []
-                applied += await _apply(conn, item)
+                applied += await apply(item)
                 break
             if item is None:
                 break
-            applied += await _apply(conn, item)
+            applied += await apply(item)
     finally:
         finished = True
         with contextlib.suppress(Exception):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import nats
 import pytest
 from nats.aio.client import Client
@@ -20,10 +21,14 @@ from structlog.testing import capture_logs
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
-from schemas.events import ALIAS_EVENTS, AliasSet, ExclusionAdded
+from schemas.events import ALIAS_EVENTS, AliasSet, ExclusionAdded, TaskCompleted, TaskFailed
+from schemas.measures import Durations
 from schemas.subjects import (
+    CANCEL,
     EVENTS_STREAM,
+    LEADERS_BUCKET,
     ROUTE,
+    STATS,
     STATS_CONSUMER,
     TASK,
     TASKS_STREAM,
@@ -42,6 +47,7 @@ from services.reaper.service import run as run_reaper
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.errors import Unavailable
+from services.runtime.outcomes import stored_ends
 from services.runtime.settings import NatsAuth, ReaperSettings, StatsSettings
 from services.stats.service import run as run_stats
 from tests.harness import (
@@ -60,6 +66,7 @@ USERS = [
     *(nats_user("web-search", w) for w in EXAMPLE_WEB_WORKERS),
 ]
 WORKER = EXAMPLE_WORKERS[0]
+MODEL = "qwen2.5:0.5b"
 
 
 def password(user: str) -> str:
@@ -303,6 +310,39 @@ async def test_a_worker_cannot_use_another_workers_queue_nor_read_the_stats_even
     assert info.num_pending == 1
 
 
+async def test_a_worker_reads_what_its_redelivered_task_ended_with_under_its_own_user(
+    secured: NatsServer, admin: Client
+) -> None:
+    """A worker handed its task again (it was out of touch, or restarted) looks for an outcome
+    already stored before running it; every read that takes is one its user may make."""
+    ajs = admin.jetstream()
+    ended = TaskCompleted(
+        at=time.time(),
+        task_id="t1",
+        attempt=1,
+        worker=WORKER,
+        model="qwen2.5:0.5b",
+        response="2",
+        durations=Durations(total_ms=1.0),
+    )
+    await publish_event(ajs, ended, by=WORKER)
+    failed = TaskFailed(at=time.time(), task_id="t2", attempt=1, code="no_worker", reason="none")
+    await publish_event(ajs, failed)
+
+    errors = Violations()
+    nc = await connect_as(secured, f"worker-{WORKER}", errors)
+    try:
+        js = nc.jetstream(timeout=2.0)
+        [(completed, source)] = await stored_ends(js, "t1")
+        [(by_router, router_source)] = await stored_ends(js, "t2")
+        assert await stored_ends(js, "t3") == []
+    finally:
+        await nc.close()
+    assert (completed, source) == (ended, WORKER)
+    assert (by_router, router_source) == (failed, None)
+    assert errors.seen == []
+
+
 async def test_services_look_streams_up_and_only_setup_makes_or_changes_them(
     secured: NatsServer,
 ) -> None:
@@ -396,3 +436,94 @@ async def test_the_gateway_shows_the_fleet_under_its_own_user_and_writes_nothing
         await runner.stop_all()
     denied = [e for e in logs if "permissions violation" in str(e.get("error", "")).lower()]
     assert denied == []
+
+
+async def test_two_of_each_service_share_the_work_under_their_own_users(
+    secured: NatsServer, admin: Client, ollama: FakeOllama, runner: ServiceRunner, pg_dsn: str
+) -> None:
+    """Two routers, two reapers and two stats services: the reaper's and the stats service's
+    leases, a router's read-back of the tasks under way and the routers' questions to each
+    other (a cancel by reply subject, whichever router takes it) all pass under each role's
+    user."""
+    url = secured.url
+    with capture_logs() as logs:
+        run_fleet(runner, url, ollama.url, pg_dsn=pg_dsn, reaper=True)
+        client = await connect_as(secured, "client")
+        try:
+            await workers_live(client, 1)
+            ollama.delay_s = 4.0  # the worker busy with it while the next one is cancelled
+            queued, _ = await request(client, ROUTE, {"prompt": "1+1", "model": MODEL})
+            # The second of each starts with a task in the log.
+            runner.start(
+                run_stats,
+                StatsSettings(
+                    nats_url=url, pg_dsn=pg_dsn, nats_user="stats", nats_password=password("stats")
+                ),
+            )
+            runner.start(
+                run_reaper,
+                ReaperSettings(nats_url=url, nats_user="reaper", nats_password=password("reaper")),
+            )
+            runner.router(url, nats_user="router", nats_password=password("router"))
+            leaders = await admin.jetstream().key_value(LEADERS_BUCKET)
+
+            async def both_held() -> bool:
+                roles = {"reaper", "stats"}
+                return {e["event"] for e in logs} >= {f"{r} standing by" for r in roles} and all(
+                    [await leaders.get(role) for role in roles]
+                )
+
+            await eventually(both_held, timeout_s=20.0)
+            for _ in range(6):  # either stats service takes each; the standby passes it on
+                figures, headers = await request(client, STATS, {}, 10.0)
+                assert "Nats-Service-Error-Code" not in headers, figures
+            inbox = client.new_inbox()
+            answers = await client.subscribe(inbox)
+            body = msgspec.json.encode({"prompt": "2+2", "model": MODEL, "wait": True})
+            await client.publish(ROUTE, body, reply=inbox)
+            await asyncio.sleep(0.5)
+            for _ in range(6):  # either router takes each: every one is a cancel
+                cancel, headers = await request(client, CANCEL, {"reply_to": inbox}, 5.0)
+                assert "Nats-Service-Error-Code" not in headers, cancel
+            final = msgspec.json.decode((await answers.next_msg(timeout=15)).data)
+            assert final["failure"]["code"] == "cancelled"
+            assert final["task_id"] != queued["task_id"]
+        finally:
+            await client.close()
+        await runner.stop_all()
+    denied = [e for e in logs if "permissions violation" in str(e.get("error", "")).lower()]
+    assert denied == []
+    assert not [e for e in logs if e["event"].startswith("tasks under way not read back")]
+    assert not [e for e in logs if "cannot reach the leaders bucket" in e["event"]]
+
+
+async def test_each_active_standby_role_may_hold_only_its_own_lease(
+    secured: NatsServer, admin: Client
+) -> None:
+    for role, other in (("reaper", "stats"), ("stats", "reaper")):
+        errors = Violations()
+        nc = await connect_as(secured, role, errors)
+        try:
+            kv = await nc.jetstream(timeout=1.0).key_value(LEADERS_BUCKET)
+            await kv.create(role, b'{"instance_id": "x", "heartbeat_at": 0}')
+            assert (await kv.get(role)).value
+            await kv.delete(role)
+            assert errors.seen == []
+            attempts = await asyncio.gather(
+                kv.create(other, b"{}"),
+                kv.put(other, b"{}"),
+                kv.delete(other),
+                return_exceptions=True,
+            )
+            assert all(isinstance(a, Exception) for a in attempts), attempts
+            await asyncio.sleep(0.2)
+            assert errors.about(f'publish to "$KV.{LEADERS_BUCKET}.{other}"'), errors.seen
+        finally:
+            await nc.close()
+    worker = await connect_as(secured, f"worker-{WORKER}")
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - any refusal: the server answers nothing
+            kv = await worker.jetstream(timeout=1.0).key_value(LEADERS_BUCKET)
+            await kv.create("reaper", b"{}")
+    finally:
+        await worker.close()

@@ -75,3 +75,28 @@ def test_gpu_preference_is_a_factor_of_at_least_one(
     for bad in ("0.5", "-2", "nan", "twice"):
         with pytest.raises(ConfigError, match="GPU_PREFERENCE"):
             settings.from_env({"GPU_PREFERENCE": bad})
+
+
+@pytest.mark.parametrize(
+    ("settings", "env"),
+    [(ReaperSettings, {}), (StatsSettings, {"PG_DSN": "postgresql://localhost/x"})],
+)
+def test_an_active_standby_lease_must_stay_fresh_between_two_renewals(
+    settings: type[ReaperSettings] | type[StatsSettings], env: dict[str, str]
+) -> None:
+    """The reaper's and the stats service's leases are renewed every HEARTBEAT_INTERVAL_S and
+    their holder stops acting one interval before WORKER_TTL_S: a TTL of two intervals or
+    less would stop it between two renewals."""
+    ok = settings.from_env({**env, "HEARTBEAT_INTERVAL_S": "1", "WORKER_TTL_S": "2.5"})
+    assert (ok.heartbeat_interval_s, ok.worker_ttl_s) == (1.0, 2.5)
+    for interval, ttl in (("1", "2"), ("2", "3"), ("0", "3"), ("-1", "3")):
+        with pytest.raises(ConfigError, match="WORKER_TTL_S must be longer than twice"):
+            settings.from_env({**env, "HEARTBEAT_INTERVAL_S": interval, "WORKER_TTL_S": ttl})
+
+
+def test_a_workers_memory_is_read_in_gb_and_refused_unless_positive() -> None:
+    assert WorkerSettings.from_env({}).memory_bytes is None
+    assert WorkerSettings.from_env({"WORKER_MEMORY_GB": "12.5"}).memory_bytes == 12_500_000_000
+    for bad in ("0", "-4", "inf", "nan"):
+        with pytest.raises(ConfigError, match="WORKER_MEMORY_GB"):
+            WorkerSettings.from_env({"WORKER_MEMORY_GB": bad})
