@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterable
 from contextlib import ExitStack, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ from devtools.fakes.ollama import FakeOllama
 from devtools.servers import running_nats
 from schemas.events import (
     TaskCompleted,
+    TaskEvent,
     TaskFailed,
     TaskRouted,
     TaskStarted,
@@ -62,7 +64,7 @@ from schemas.events import (
     task_event_decoder,
 )
 from schemas.route import RouteReply, RouteRequest
-from schemas.subjects import EVENTS_STREAM, ROUTE, TASKS_STREAM, WORKERS
+from schemas.subjects import EVENTS_STREAM, ROUTE, TASKS_STREAM, WORKERS, task_event_source
 from schemas.tasks import TaskMessage
 from services.runtime.bus import ensure_streams
 
@@ -177,9 +179,18 @@ class _Task:
     routed: int = 0
     queue: str = ""
     kinds: list[str] = field(default_factory=list)
+    """The task's history (`history_entry`)."""
     outcomes: list[tuple[int, str, bool, str | None]] = field(default_factory=list)
     """(attempt, code or "done", retryable, worker)"""
     completed: int = 0
+
+
+def history_entry(event: TaskEvent) -> str:
+    """One event of a task's history, for a report: ``kind:attempt@worker HH:MM:SS.mmm``."""
+    worker = getattr(event, "worker", None)
+    at = time.strftime("%H:%M:%S", time.gmtime(event.at)) + f".{int(event.at % 1 * 1000):03d}"
+    where = f"@{worker}" if worker else ""
+    return f"{kind_of(event)}:{getattr(event, 'attempt', '')}{where} {at}"
 
 
 class EventLog:
@@ -196,7 +207,7 @@ class EventLog:
     async def on_msg(self, msg: Msg) -> None:
         event = task_event_decoder.decode(msg.data)
         task = self.tasks.setdefault(event.task_id, _Task())
-        task.kinds.append(f"{kind_of(event)}:{getattr(event, 'attempt', '')}")
+        task.kinds.append(history_entry(event))
         match event:
             case TaskSubmitted():
                 task.submitted = True
@@ -213,7 +224,9 @@ class EventLog:
                 self.ends.setdefault((event.task_id, event.attempt, event.worker), event.at)
             case TaskFailed():
                 task.outcomes.append((event.attempt, event.code, event.retryable, event.worker))
-                if event.worker is not None:
+                # A run ends where its worker recorded its end; the reaper's or the router's
+                # failure naming a dead worker says nothing of when that worker stopped.
+                if event.worker is not None and task_event_source(msg.subject) == event.worker:
                     self.ends.setdefault((event.task_id, event.attempt, event.worker), event.at)
 
     def final(self, task_id: str, *, settled: bool) -> str | None:
@@ -262,6 +275,52 @@ class EventLog:
             if overlaps:
                 found[worker] = overlaps
         return found
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the event log alone says of a run's tasks (`judge`): each one's final state, and
+    whether any ran twice at once on one worker or was answered twice."""
+
+    finals: dict[str, str | None]
+    """Per task: ``done``, its failure's code, or None (lost: no final state)."""
+    concurrent_by_worker: dict[str, int]
+    """Per worker id: runs that began while another of its runs had not ended."""
+    overlap_examples: list[str]
+    answered_twice: list[str]
+    """Tasks with more than one ``completed`` (two answers recorded)."""
+    moved: int
+    """Tasks routed more than once."""
+    max_attempts: int
+
+    @property
+    def lost(self) -> list[str]:
+        return sorted(t for t, f in self.finals.items() if f is None)
+
+    @property
+    def done(self) -> int:
+        return sum(1 for f in self.finals.values() if f == "done")
+
+    @property
+    def failed(self) -> dict[str, int]:
+        """Failures by code."""
+        return dict(
+            sorted(Counter(f for f in self.finals.values() if f not in (None, "done")).items())
+        )
+
+
+def judge(events: EventLog, tasks: Iterable[str]) -> Verdict:
+    """The verdict on ``tasks`` (every one the clients had accepted), once the run settled."""
+    tasks = list(tasks)
+    found = [events.tasks.get(t, _Task()) for t in tasks]
+    return Verdict(
+        finals={t: events.final(t, settled=True) for t in tasks},
+        concurrent_by_worker=events.concurrent_runs(),
+        overlap_examples=events.overlaps[:10],
+        answered_twice=[t for t, task in zip(tasks, found, strict=True) if task.completed > 1],
+        moved=sum(1 for task in found if task.routed > 1),
+        max_attempts=max((task.routed for task in found), default=0),
+    )
 
 
 class Chaos:
@@ -434,10 +493,9 @@ class Chaos:
         return [first.split(":", 1)[0] for first in firsts if first]
 
     def report(self, elapsed_s: float, settled: bool) -> Report:
-        finals = {t: self.events.final(t, settled=True) for t in self.accepted}
-        lost = sorted(t for t, f in finals.items() if f is None)
-        failures = Counter(f for f in finals.values() if f not in (None, "done"))
-        by_events = self.events.concurrent_runs()
+        verdict = judge(self.events, self.accepted)
+        lost = verdict.lost
+        by_events = verdict.concurrent_by_worker
         by_backend = {
             f"chaos-w{n + 1}": backend.stats()["concurrent_max"] - 1
             for n, backend in enumerate(self.backends)
@@ -451,21 +509,17 @@ class Chaos:
         return Report(
             config=asdict(self.config),
             submitted=len(self.accepted),
-            done=sum(1 for f in finals.values() if f == "done"),
-            failed=dict(sorted(failures.items())),
+            done=verdict.done,
+            failed=verdict.failed,
             lost=len(lost),
             lost_tasks=lost[:20],
             concurrent=sum(concurrent.values()),
             concurrent_by_worker=dict(sorted(concurrent.items())),
             concurrent_seen_by={"events": by_events, "backends": by_backend},
-            concurrent_examples=self.events.overlaps[:10],
-            duplicated_answers=sum(
-                1 for t in self.accepted if self.events.tasks.get(t, _Task()).completed > 1
-            ),
-            moved=sum(1 for t in self.accepted if self.events.tasks.get(t, _Task()).routed > 1),
-            max_attempts=max(
-                (self.events.tasks.get(t, _Task()).routed for t in self.accepted), default=0
-            ),
+            concurrent_examples=verdict.overlap_examples,
+            duplicated_answers=len(verdict.answered_twice),
+            moved=verdict.moved,
+            max_attempts=verdict.max_attempts,
             orphans=len(recorded - accepted),
             kills=dict(sorted(self.kills.items())),
             refused_submissions=self.refused,

@@ -37,13 +37,17 @@ def nats_server_binary() -> str:
     return found
 
 
-def wait_for_port(port: int, timeout_s: float = 10.0) -> None:
+def wait_for_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.2):
             return
         time.sleep(0.02)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout_s} s")
+    raise RuntimeError(f"nothing listens on {host}:{port} after {timeout_s} s")
+
+
+# The port of a nats-server's monitoring endpoint in the shipped configurations.
+MONITOR_PORT = 8222
 
 
 class NatsServer:
@@ -52,8 +56,9 @@ class NatsServer:
     With ``config``, the server reads that file (its JetStream ``store_dir`` must be
     ``store_dir``; address and port come from here) with ``env`` added to its environment
     (the configuration's ``$VARIABLES``). ``listen`` is the address it listens on: the
-    loopback, or ``0.0.0.0`` for clients on test hosts in network namespaces (``url`` is the
-    loopback's either way).
+    loopback, ``0.0.0.0`` for clients on test hosts in network namespaces (``url`` is the
+    loopback's for both), or a test host's own address (``url`` is that address). ``wrap`` goes
+    before the command: `devtools.hosts.NetnsHost.command`'s prefix runs it on a test host.
     """
 
     def __init__(
@@ -65,18 +70,25 @@ class NatsServer:
         env: dict[str, str] | None = None,
         listen: str = "127.0.0.1",
         extra_args: Sequence[str] = (),
+        wrap: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
         self.listen = listen
         self.extra_args = list(extra_args)
+        self.wrap = list(wrap)
         self.store_dir = store_dir
         self.config = config
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def host(self) -> str:
+        """Where clients reach it."""
+        return "127.0.0.1" if self.listen in ("127.0.0.1", "0.0.0.0") else self.listen
+
+    @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     def start(self) -> NatsServer:
         where = ["-a", self.listen, "-p", str(self.port)]
@@ -90,12 +102,12 @@ class NatsServer:
                 f.write(f"max_payload: {MAX_PAYLOAD}\n")
             args = ["-c", limits, "-js", *where, "-sd", self.store_dir]
         self.proc = subprocess.Popen(
-            [nats_server_binary(), *args],
+            [*self.wrap, nats_server_binary(), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={**os.environ, **(self.env or {})},
         )
-        wait_for_port(self.port)
+        wait_for_port(self.port, host=self.host)
         return self
 
     def stop(self) -> None:
@@ -110,9 +122,12 @@ class NatsServer:
 
 
 class NatsCluster:
-    """A JetStream cluster of three nats-servers on loopback ports, each running the
-    configuration `coordinator deploy render nats --cluster` makes for its node (every user
-    of the single server's configuration, the routes' password, the system user).
+    """A JetStream cluster of three nats-servers, each running the configuration
+    `coordinator deploy render nats --cluster` makes for its node (every user of the single
+    server's configuration, the routes' password, the system user): on loopback ports, or
+    with ``hosts`` one node on each test host (`devtools.hosts`), at that host's address on the
+    usual ports (clients 4222, routes 6222, monitoring 8222), started through ``wraps[i]``
+    (`NetnsHost.command`'s prefix).
 
     ``passwords`` is nats-server's environment for the users (``<USER>_PASSWORD``); the
     cluster's and the system user's passwords are `CLUSTER_PASSWORD` and `SYSTEM_PASSWORD`.
@@ -131,31 +146,54 @@ class NatsCluster:
         web_workers: Sequence[str] = (),
         size: int = 3,
         name: str = "coordinator",
+        hosts: Sequence[str] = (),
+        wraps: Sequence[Sequence[str]] = (),
     ) -> None:
-        from services.cli.cluster import parse_routes, render_cluster_conf, routes_value
+        from services.cli.cluster import (
+            CLIENT_PORT,
+            CLUSTER_PORT,
+            parse_routes,
+            render_cluster_conf,
+            routes_value,
+        )
 
-        cluster_ports = [free_port() for _ in range(size)]
-        self.cluster_ports = cluster_ports
-        routes = ",".join(f"127.0.0.1:{port}" for port in cluster_ports)
+        if hosts:
+            size = len(hosts)
+            self.cluster_ports = [CLUSTER_PORT] * size
+            self.monitor_hosts = list(hosts)
+            self.monitor_ports = [MONITOR_PORT] * size
+            routes = ",".join(hosts)
+        else:
+            self.cluster_ports = [free_port() for _ in range(size)]
+            self.monitor_hosts = ["127.0.0.1"] * size
+            self.monitor_ports = [free_port() for _ in range(size)]
+            routes = ",".join(f"127.0.0.1:{port}" for port in self.cluster_ports)
         env = {
             **passwords,
             "CLUSTER_PASSWORD": self.CLUSTER_PASSWORD,
             "SYSTEM_PASSWORD": self.SYSTEM_PASSWORD,
             "CLUSTER_ROUTES": routes_value(parse_routes(routes), self.CLUSTER_PASSWORD),
         }
-        self.monitor_ports = [free_port() for _ in range(size)]
         self.nodes: list[NatsServer] = []
-        for i, port in enumerate(cluster_ports):
+        for i, port in enumerate(self.cluster_ports):
             node_dir = Path(root) / f"node{i}"
             node_dir.mkdir(parents=True, exist_ok=True)
             store = str(node_dir / "js")
-            conf = render_cluster_conf(name, routes, f"127.0.0.1:{port}", workers, web_workers)
-            # The node's store under ``root``, its routes on the loopback (nats-server takes
-            # neither from its command line when the file sets them).
-            for shipped, here in (
+            host = hosts[i] if hosts else "127.0.0.1"
+            node = host if hosts else f"127.0.0.1:{port}"
+            conf = render_cluster_conf(name, routes, node, workers, web_workers)
+            # The node's store under ``root``, its routes (and on a test host its monitoring)
+            # on its own address (nats-server takes neither from its command line when the
+            # file sets them).
+            edits = [
                 ("  store_dir: /var/lib/nats\n", f"  store_dir: {store}\n"),
-                (f"  listen: 0.0.0.0:{port}\n", f"  listen: 127.0.0.1:{port}\n"),
-            ):
+                (f"  listen: 0.0.0.0:{port}\n", f"  listen: {host}:{port}\n"),
+            ]
+            if hosts:
+                edits.append(
+                    (f"http: 127.0.0.1:{MONITOR_PORT}\n", f"http: {host}:{MONITOR_PORT}\n")
+                )
+            for shipped, here in edits:
                 assert shipped in conf, shipped
                 conf = conf.replace(shipped, here)
             config = node_dir / "nats-server.conf"
@@ -163,9 +201,12 @@ class NatsCluster:
             self.nodes.append(
                 NatsServer(
                     store,
+                    CLIENT_PORT if hosts else None,
                     config=str(config),
                     env=env,
-                    extra_args=["-m", str(self.monitor_ports[i])],
+                    listen=host,
+                    extra_args=[] if hosts else ["-m", str(self.monitor_ports[i])],
+                    wrap=wraps[i] if wraps else (),
                 )
             )
 
@@ -186,7 +227,7 @@ class NatsCluster:
         import urllib.error
         import urllib.request
 
-        url = f"http://127.0.0.1:{self.monitor_ports[i]}{path}"
+        url = f"http://{self.monitor_hosts[i]}:{self.monitor_ports[i]}{path}"
         try:
             with urllib.request.urlopen(url, timeout=2.0) as reply:
                 return int(reply.status), bytes(reply.read())

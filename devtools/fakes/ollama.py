@@ -86,11 +86,12 @@ reports how many generations were asked for and how many ran at once (``generate
 ``embed_calls`` for the three embedding endpoints, ``concurrent_max``, ``in_flight``, plus
 ``connections`` opened, generations ``cancelled`` because the client hung up and
 ``last_images``); ``GET /_fake/calls`` (``{"calls": FakeOllama.calls()}``) lists every
-call with the wall-clock times it began and ended, so a test can tell whether generations on
-two stand-ins overlapped; ``GET /_fake/last`` (``FakeOllama.last()``) gives the last request body
-received by each API (``last_chat``, ``last_generate``, ``last_embed`` for ``/api/embed`` and
-``/api/embeddings``, ``last_embeddings`` for ``/api/embeddings`` alone, ``last_openai`` for any
-``/v1`` POST), as parsed, even when it was refused, so that tests can check ``options``,
+call with the wall-clock times it began and ended and the prompt it answers, so a test can
+tell whether generations of one prompt on two stand-ins overlapped; ``GET /_fake/last``
+(``FakeOllama.last()``) gives the last request body received by each API (``last_chat``,
+``last_generate``, ``last_embed`` for ``/api/embed`` and ``/api/embeddings``,
+``last_embeddings`` for ``/api/embeddings`` alone, ``last_openai`` for any ``/v1`` POST), as
+parsed, even when it was refused, so that tests can check ``options``,
 ``keep_alive``, ``tools``, ``format`` and ``images`` arrived unchanged (``last("chat")`` gives
 one of them);
 ``POST /_fake/reset`` zeroes the counters, forgets those bodies and the loaded models, and
@@ -102,7 +103,8 @@ the wrong type fails with HTTP 500 ``option "top_k" must be of type integer``. `
 (seconds, or a Go duration such as ``"10m"``; negative: forever) sets the ``expires_at`` that
 ``/api/ps`` shows; ``0`` unloads the model after the request (with no prompt: at once, and
 ``done_reason`` ``unload``); a changed ``num_ctx`` reloads the model (``/api/ps``
-``context_length``).
+``context_length``, and a ``size`` that is the file's and its context cache's, as Ollama
+estimates what a loaded model takes).
 
 Standard library only.
 """
@@ -527,6 +529,12 @@ def _details(name: str) -> dict[str, Any]:
 
 def _size(name: str) -> int:
     return _parameter_count(_normalize(name)) * 6 // 10 + 50_000_000
+
+
+def _context_bytes(normalized: str, num_ctx: int) -> int:
+    """The memory a loaded model's context cache takes (keys and values for ``num_ctx``
+    tokens): about 128 KiB a token for a 7B model, in proportion to the parameters."""
+    return num_ctx * (_parameter_count(normalized) // 56_000)
 
 
 def _digest(name: str) -> str:
@@ -1238,9 +1246,11 @@ class FakeOllama:
         self._last_images = 0
         self._last: dict[str, Any] = dict.fromkeys(_LAST)
         # Every call's time in flight, wall clock, by call number: (api, started_at, ended_at
-        # or None while it runs).
-        self._calls: dict[int, tuple[str, float, float | None]] = {}
+        # or None while it runs, the prompt once read).
+        self._calls: dict[int, tuple[str, float, float | None, str | None]] = {}
         self._call_numbers = itertools.count()
+        # The call each handler thread is serving (a connection's requests come one by one).
+        self._serving = threading.local()
         # normalized name -> (expiry as time.time_ns(), num_ctx)
         self._loaded: dict[str, tuple[int, int]] = {}
         self._connections: set[socket.socket] = set()
@@ -1340,12 +1350,14 @@ class FakeOllama:
 
     def calls(self) -> list[dict[str, Any]]:
         """Every call since the last reset, in the order they began: ``api``, ``started_at``
-        and ``ended_at`` (wall-clock seconds; None while it runs), so that tests on several
-        stand-ins, in several processes, can tell whether two generations overlapped."""
+        and ``ended_at`` (wall-clock seconds; None while it runs), and ``prompt`` (what a
+        generation answers; None for a call refused before its body was read), so that tests
+        on several stand-ins, in several processes, can tell whether two generations of one
+        prompt overlapped."""
         with self._lock:
             return [
-                {"api": api, "started_at": started, "ended_at": ended}
-                for api, started, ended in self._calls.values()
+                {"api": api, "started_at": started, "ended_at": ended, "prompt": prompt}
+                for api, started, ended, prompt in self._calls.values()
             ]
 
     def last(self, api: str | None = None) -> Any:
@@ -1496,7 +1508,8 @@ class FakeOllama:
             self._in_flight += 1
             self._concurrent_max = max(self._concurrent_max, self._in_flight)
             number = next(self._call_numbers)
-            self._calls[number] = (api, time.time(), None)
+            self._calls[number] = (api, time.time(), None, None)
+        self._serving.number = number
         released = False
 
         def release() -> None:
@@ -1506,12 +1519,21 @@ class FakeOllama:
                     released = True
                     self._in_flight -= 1
                     if number in self._calls:
-                        self._calls[number] = (api, self._calls[number][1], time.time())
+                        _, started, _, prompt = self._calls[number]
+                        self._calls[number] = (api, started, time.time(), prompt)
 
         try:
             yield release
         finally:
             release()
+
+    def _asked(self, prompt: str) -> None:
+        """Note the prompt of the call this thread is serving (`calls`)."""
+        number = getattr(self._serving, "number", None)
+        with self._lock:
+            if number in self._calls:
+                api, started, ended, _ = self._calls[number]
+                self._calls[number] = (api, started, ended, prompt)
 
     def _opened(self, connection: socket.socket) -> None:
         with self._lock:
@@ -1779,6 +1801,9 @@ class _Handler(BaseHTTPRequestHandler):
             entry = self._model_entry(name)
             del entry["modified_at"]
             entry["expires_at"] = _timestamp(expires_ns)
+            # What the loaded model takes: its file and the cache of its context, all of it
+            # in (V)RAM here: Ollama's estimate, which is more than the file /api/tags sizes.
+            entry["size"] += _context_bytes(normalized, num_ctx)
             entry["size_vram"] = entry["size"]
             entry["context_length"] = num_ctx
             running.append(entry)
@@ -1837,6 +1862,7 @@ class _Handler(BaseHTTPRequestHandler):
         started = time.monotonic_ns()
         with self._fake._track("chat" if chat else "generate") as self._release:
             ask = self._native_ask(raw, chat=chat)
+            self._fake._asked(ask.prompt)
             prepared = self._prepare(ask, chat=chat, started_ns=started)
             if prepared is None:
                 return
@@ -2354,6 +2380,7 @@ class _Handler(BaseHTTPRequestHandler):
                 ask = self._openai_ask(raw, chat=chat)
             except _ApiError as exc:
                 raise exc.as_openai("invalid_request_error") from None
+            self._fake._asked(ask.prompt)
             try:
                 prepared = self._prepare(ask, chat=chat, started_ns=started)
             except _ApiError as exc:

@@ -11,17 +11,21 @@ yet.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import structlog
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from schemas.workers import worker_record_decoder
 from services.fleet.settling import SettlingTracker
 from services.router.view import FleetView
 from services.runtime.errors import Unavailable
-from services.runtime.watch import BucketCursor, reconnects, value_of
+from services.runtime.lifecycle import TaskSet
+from services.runtime.stall import look_once, watch_stalls
+from services.runtime.watch import BucketCursor, follow_bucket, reconnects, value_of
 
 log = structlog.get_logger("router")
 
@@ -36,6 +40,28 @@ class RegistryFeed:
         # A fresh start awaits nobody: the first full read of the bucket is the registry.
         self.settling = SettlingTracker(reconnects(nc), time.time())
         self.cursor = BucketCursor()  # how far the watch has read (`services.runtime.stall`)
+
+    def follow(
+        self, js: JetStreamContext, kv: KeyValue, ready: asyncio.Event, tasks: TaskSet
+    ) -> None:
+        """Watch the bucket, and whether it stalls, in ``tasks``; ``ready`` is set once the
+        bucket has been read."""
+        tasks.spawn(
+            follow_bucket(
+                self.nc,
+                kv,
+                self.on_entry,
+                ready,
+                on_watch=self.on_watch,
+                on_read=self.on_read,
+                cursor=self.cursor,
+            ),
+            name="watch-workers",
+        )
+        tasks.spawn(
+            watch_stalls(js, self.settling, self.view.workers.values, self.cursor, self.ttl_s),
+            name="registry-stalls",
+        )
 
     def on_entry(self, entry: KeyValue.Entry) -> None:
         if (value := value_of(entry)) is None:
@@ -68,6 +94,12 @@ class RegistryFeed:
         """May the router say, at ``now``, that no live worker can take a request?"""
         self.notice_reconnect(now)
         return self.settling.settled(now, self.ttl_s)
+
+    async def look_again(self, js: JetStreamContext) -> None:
+        """Before a verdict that no live worker can take a request: a quiet registry is
+        asked at once whether it stalled, or its watch fell behind (`services.runtime.stall`),
+        so a view read on the wrong side of a partition that just healed is not believed."""
+        await look_once(js, self.settling, self.view.workers.values, self.cursor, self.ttl_s)
 
     def refuse_while_settling(self, now: float, what: str) -> None:
         """Raise `Unavailable` if the view has not settled: ``what`` cannot be told yet."""

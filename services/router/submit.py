@@ -36,8 +36,6 @@ log = structlog.get_logger("router")
 # How long a write caught by a bus outage is tried again, and how often.
 OUTAGE_RETRY_S: Final = 10.0
 OUTAGE_RETRY_EVERY_S: Final = 0.25
-# A publish that may have been stored although no acknowledgement came back.
-_UNCONFIRMED: Final = (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError)
 # What a write gets while the connection is lost or the server is starting (JetStream not
 # ready, the stream not recovered yet, an acknowledgement that never came).
 _OUTAGE_ERRORS: Final = (
@@ -104,11 +102,12 @@ async def submit(js: JetStreamContext, task: Submission) -> int:
         # The worker continues this request's trace (traceparent).
         headers = inject_context({"Nats-Msg-Id": f"{task_id}:1"})
         ack = await through_outage(lambda: js.publish(decision.queue, message, headers=headers))
-    except _UNCONFIRMED as exc:
+    except _OUTAGE_ERRORS as exc:
         # The message may well be stored (an acknowledgement lost while a cluster elects the
-        # stream's leader): failing the task here would tell its client "failed" for a task
-        # that then runs. It is taken as queued; if it is not there, the reaper finds a
-        # routed task without its message (a ghost) and queues it again.
+        # stream's leader, then no stream answering the tries after it): failing the task
+        # here would tell its client "failed" for a task that then runs. It is taken as
+        # queued; if it is not there, the reaper finds a routed task without its message (a
+        # ghost) and queues it again.
         log.warning("queueing not confirmed; taken as queued", task_id=task_id, error=repr(exc))
         return 0
     except Exception as exc:

@@ -19,13 +19,17 @@ from typing import Any, Final, TypeVar, cast
 import msgspec
 import nats.errors
 import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.errors import ServiceUnavailableError
 from nats.micro.request import Request
 from nats.micro.service import Service
 from opentelemetry import trace
 
 from schemas.route import MAX_NESTING, ErrorBody, ErrorDetail, nesting_problem, too_deep
 from schemas.subjects import InvalidId
-from services.runtime.errors import BadRequest, CoordinatorError, TooLarge
+from services.runtime.errors import BadRequest, CoordinatorError, TooLarge, Unavailable
 from services.runtime.lifecycle import TaskSet
 from services.runtime.tracing import extract_context
 
@@ -113,14 +117,71 @@ async def respond_error(request: Request, code: str, message: str) -> None:
     )
 
 
+# NATS not serving a handler's own requests: no answer in time, nobody to answer, no
+# JetStream leader, the connection down. Seen while a JetStream cluster elects a stream's
+# leader (seconds) or a partition lasts; the same request may work moments later.
+_BUS_FAILURES = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    ServiceUnavailableError,
+)
+
+
 def _failure(exc: Exception) -> tuple[str, str]:
-    """The code and message of the error reply to a handler's exception."""
+    """The code and message of the error reply to a handler's exception. The bus failing the
+    handler is ``unavailable`` (retryable: a client asks again), never ``internal``."""
     if isinstance(exc, CoordinatorError):
         return exc.code, exc.message
     if isinstance(exc, InvalidId):
         # An id that cannot be a subject token: the request's fault, whichever check found it.
         return exc.code, str(exc)
+    if isinstance(exc, _BUS_FAILURES):
+        return Unavailable.code, (
+            f"NATS did not serve this request ({type(exc).__name__}): a JetStream leader "
+            "being chosen, or a network fault; ask again"
+        )
     return "internal", shortened(f"{type(exc).__name__}: {exc}", 200)
+
+
+async def _answer(name: str, subject: str, handler: Handler, request: Request) -> None:
+    """Handle one request in a span named ``name`` and reply: the handler's reply, or the
+    error reply of what it raised."""
+    # nats.micro's Request does not expose the reply subject; its message does.
+    reply_to = request._msg.reply or ""
+    reply_subject.set(reply_to)
+    with tracer.start_as_current_span(
+        name,
+        context=extract_context(request.headers),
+        kind=trace.SpanKind.SERVER,
+        attributes={"messaging.destination.name": subject},
+    ) as span:
+        try:
+            reply = await handler(request.data)
+        except Exception as exc:
+            code, message = _failure(exc)
+            if code == "internal":
+                log.exception("endpoint failed", endpoint=name)
+                span.set_status(trace.StatusCode.ERROR, repr(exc))
+            span.set_attribute("coordinator.error_code", code)
+        else:
+            if not reply_to or reply is None:  # None: another request answers this one
+                return
+            try:
+                await request.respond(reply)
+                return
+            except nats.errors.MaxPayloadError:
+                code = TooLarge.code
+                message = f"the reply is {len(reply)} bytes, over the NATS server's max_payload"
+            span.set_attribute("coordinator.error_code", code)
+        if not reply_to:
+            return
+        try:
+            await respond_error(request, code, message)
+        except Exception as exc:  # the connection, most likely: nobody left to tell
+            log.warning("error reply failed", endpoint=name, code=code, error=repr(exc))
 
 
 async def add_endpoint(
@@ -134,42 +195,20 @@ async def add_endpoint(
     the error ``too_large``; a request without a reply subject gets no answer.
     """
 
-    async def run(request: Request) -> None:
-        # nats.micro's Request does not expose the reply subject; its message does.
-        reply_to = request._msg.reply or ""
-        reply_subject.set(reply_to)
-        with tracer.start_as_current_span(
-            name,
-            context=extract_context(request.headers),
-            kind=trace.SpanKind.SERVER,
-            attributes={"messaging.destination.name": subject},
-        ) as span:
-            try:
-                reply = await handler(request.data)
-            except Exception as exc:
-                code, message = _failure(exc)
-                if code == "internal":
-                    log.exception("endpoint failed", endpoint=name)
-                    span.set_status(trace.StatusCode.ERROR, repr(exc))
-                span.set_attribute("coordinator.error_code", code)
-            else:
-                if not reply_to or reply is None:  # None: another request answers this one
-                    return
-                try:
-                    await request.respond(reply)
-                    return
-                except nats.errors.MaxPayloadError:
-                    code = TooLarge.code
-                    message = f"the reply is {len(reply)} bytes, over the NATS server's max_payload"
-                span.set_attribute("coordinator.error_code", code)
-            if not reply_to:
-                return
-            try:
-                await respond_error(request, code, message)
-            except Exception as exc:  # the connection, most likely: nobody left to tell
-                log.warning("error reply failed", endpoint=name, code=code, error=repr(exc))
-
     async def on_request(request: Request) -> None:
-        tasks.spawn(run(request), name=f"{name}-request")
+        tasks.spawn(_answer(name, subject, handler, request), name=f"{name}-request")
 
     await service.add_endpoint(name=name, subject=subject, handler=on_request)
+
+
+async def serve_subject(
+    nc: Client, name: str, subject: str, handler: Handler, *, queue: str, tasks: TaskSet
+) -> Subscription:
+    """Serve ``subject`` as `add_endpoint` does, outside any micro service: a plain
+    subscription in the queue group ``queue``, which the caller unsubscribes when this
+    process stops serving it (what only one instance of a service answers at a time)."""
+
+    async def on_msg(msg: Msg) -> None:
+        tasks.spawn(_answer(name, subject, handler, Request(msg)), name=f"{name}-request")
+
+    return await nc.subscribe(subject, queue=queue, cb=on_msg)

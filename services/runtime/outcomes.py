@@ -23,7 +23,6 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from schemas.events import (
-    TERMINAL_KINDS,
     TaskCompleted,
     TaskEvent,
     TaskFailed,
@@ -106,11 +105,16 @@ async def last_on(js: JetStreamContext, subject: str) -> bytes | None:
 Sourced = tuple[TaskEvent, str | None]
 
 
-async def last_task_events(js: JetStreamContext, task_id: str, kind: str) -> list[Sourced]:
-    """The task's last ``kind`` event from the router or reaper and the last from any worker
-    (`schemas.subjects.task_event`), each with its source."""
+async def last_task_events(
+    js: JetStreamContext, task_id: str, kind: str, *, workers_only: bool = False
+) -> list[Sourced]:
+    """The task's last ``kind`` event from the router or reaper (unless ``workers_only``) and
+    the last from any worker (`schemas.subjects.task_event`), each with its source."""
+    subjects = [workers_task_event(task_id, kind)]
+    if not workers_only:
+        subjects.insert(0, task_event(task_id, kind))
     found: list[Sourced] = []
-    for subject in (task_event(task_id, kind), workers_task_event(task_id, kind)):
+    for subject in subjects:
         stored = await last_stored(js, subject)
         if stored is not None:
             found.append((task_event_decoder.decode(stored[1]), task_event_source(stored[0])))
@@ -118,8 +122,15 @@ async def last_task_events(js: JetStreamContext, task_id: str, kind: str) -> lis
 
 
 async def stored_ends(js: JetStreamContext, task_id: str) -> list[Sourced]:
-    """The task's last outcome events of each kind and source (`last_task_events`)."""
-    return [e for kind in TERMINAL_KINDS for e in await last_task_events(js, task_id, kind)]
+    """The task's last outcome events of each kind and source (`last_task_events`): the last
+    ``completed`` a worker stored, and the last ``failed`` from a worker and from the router
+    or the reaper. Only workers complete a task, so nobody asks for the router's and reaper's
+    ``completed`` subject, which a worker's NATS user may not read (a worker checking its
+    redelivered task would wait out every such read)."""
+    return [
+        *await last_task_events(js, task_id, "completed", workers_only=True),
+        *await last_task_events(js, task_id, "failed"),
+    ]
 
 
 def outcome_among(

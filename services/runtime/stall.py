@@ -61,30 +61,43 @@ async def watch_stalls(
     stalled = False
     while True:
         await asyncio.sleep(LOOK_S)
-        current = list(records())
-        if not is_quiet(current, time.time(), ttl_s):
-            stalled = False
-            continue
-        revision = await bucket_revision(js)
-        if revision is not None and revision <= cursor.revision:
-            if stalled:
-                log.info("the worker registry answers again")
-            stalled = False
-            continue
-        # Settle again from now: the workers live when it went quiet must be heard again.
-        settling.wait_for(time.time(), awaited_after_outage(current, ttl_s))
-        if revision is not None:
-            log.warning(
-                "the worker registry's watch fell behind (its consumer was lost?); reading "
-                "the bucket again",
-                watched=cursor.revision,
-                stored=revision,
-            )
-            cursor.restart.set()
-        elif not stalled:
-            log.warning(
-                "the worker registry stores no heartbeats (a JetStream leader election?); "
-                "no worker is judged dead until it does",
-                within_s=ttl_s,
-            )
-        stalled = revision is None
+        stalled = await look_once(js, settling, records, cursor, ttl_s, stalled=stalled)
+
+
+async def look_once(
+    js: JetStreamContext,
+    settling: SettlingTracker,
+    records: Callable[[], Iterable[WorkerRecord]],
+    cursor: BucketCursor,
+    ttl_s: float,
+    *,
+    stalled: bool = False,
+) -> bool:
+    """One look (`watch_stalls`); a caller about to say that no worker is live makes one
+    too, so a verdict never waits on the watcher's next look. True while the bucket does not
+    answer (``stalled``: it did not at the last look, for the log)."""
+    current = list(records())
+    if not is_quiet(current, time.time(), ttl_s):
+        return False
+    revision = await bucket_revision(js)
+    if revision is not None and revision <= cursor.revision:
+        if stalled:
+            log.info("the worker registry answers again")
+        return False
+    # Settle again from now: the workers live when it went quiet must be heard again.
+    settling.wait_for(time.time(), awaited_after_outage(current, ttl_s))
+    if revision is not None:
+        log.warning(
+            "the worker registry's watch fell behind (its consumer was lost?); reading "
+            "the bucket again",
+            watched=cursor.revision,
+            stored=revision,
+        )
+        cursor.restart.set()
+    elif not stalled:
+        log.warning(
+            "the worker registry stores no heartbeats (a JetStream leader election?); "
+            "no worker is judged dead until it does",
+            within_s=ttl_s,
+        )
+    return revision is None

@@ -10,7 +10,9 @@ import zlib
 from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
+from nats.js.errors import ServiceUnavailableError
 
 from schemas.queries import TaskQuery
 from schemas.route import (
@@ -45,7 +47,7 @@ from services.runtime.endpoints import (
     decode_body,
     respond_error,
 )
-from services.runtime.errors import BadRequest, TooLarge
+from services.runtime.errors import BadRequest, TooLarge, from_code
 from services.stats.requests import decode_request, parse_task_query
 
 IMAGE = "aGVsbG8="
@@ -245,6 +247,24 @@ def test_an_id_error_keeps_its_code_and_anything_unexpected_is_internal() -> Non
     assert _failure(BadRequest("no")) == ("bad_request", "no")
     code, message = _failure(KeyError("x" * 1000))
     assert code == "internal" and message.startswith("KeyError: ") and len(message) == 200
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        nats.errors.TimeoutError(),
+        nats.errors.NoRespondersError(),
+        nats.errors.ConnectionClosedError(),
+        ServiceUnavailableError(),
+    ],
+)
+def test_the_bus_failing_a_handler_is_unavailable_so_the_client_asks_again(
+    exc: Exception,
+) -> None:
+    code, message = _failure(exc)
+    assert code == "unavailable", message
+    assert from_code(code, message).retryable
+    assert type(exc).__name__ in message and "ask again" in message
 
 
 # -- the gateway ------------------------------------------------------------------------------

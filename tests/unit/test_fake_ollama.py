@@ -284,6 +284,35 @@ async def test_concurrent_max_counts_overlapping_requests(fake: FakeOllama) -> N
         assert stats["connections"] == 0  # keep-alive: no new connection since the reset
 
 
+def test_calls_say_when_each_generation_ran_and_what_it_answered(
+    fake: FakeOllama, client: httpx.Client
+) -> None:
+    before = time.time()
+    generate(client, model="gemma3:1b", prompt="first prompt", stream=False)
+    client.post(
+        "/api/chat",
+        json={
+            "model": "gemma3:1b",
+            "messages": [{"role": "user", "content": "second"}],
+            "stream": False,
+        },
+    )
+    client.post("/v1/completions", json={"model": "gemma3:1b", "prompt": "third"})
+    refused = client.post("/api/generate", content=b"{not json")
+    assert refused.status_code == 400
+
+    calls = client.get("/_fake/calls").json()["calls"]
+    assert [(c["api"], c["prompt"]) for c in calls] == [
+        ("generate", "first prompt"),
+        ("chat", "second"),
+        ("openai", "third"),
+        ("generate", None),
+    ]
+    for call in calls:
+        assert before <= call["started_at"] <= call["ended_at"] <= time.time()
+    assert calls == fake.calls()
+
+
 def test_client_hanging_up_cancels_the_generation(fake: FakeOllama) -> None:
     fake.delay_s = 5
     with (
