@@ -36,8 +36,12 @@ from services.runtime.bus import fences_by_subject, is_wrong_last_sequence, publ
 
 log = structlog.get_logger("outcomes")
 
-# How many times an outcome event is tried before giving up (the caller returns the task).
-OUTCOME_PUBLISH_TRIES = 5
+# How long an outcome event is tried before giving up (the caller returns the task), and the
+# longest pause between two tries. Long enough to outlast a cluster electing the event log's
+# leader (seconds): an outcome given up on while it may have been stored makes its task look
+# lost, and the reaper moves a task that has in fact ended.
+OUTCOME_RETRY_S = 30.0
+OUTCOME_RETRY_MAX_DELAY_S = 2.0
 
 
 def outcome_msg_id(task_id: str, attempt: int, by: str | None = None) -> str:
@@ -52,13 +56,15 @@ async def store_outcome(
     outcome: TaskCompleted | TaskFailed,
     *,
     by: str | None = None,
-    tries: int = OUTCOME_PUBLISH_TRIES,
+    retry_s: float = OUTCOME_RETRY_S,
     first_delay_s: float = 0.2,
 ) -> None:
-    """Publish ``outcome`` with its attempt's message id, retrying with backoff; raise at last.
-    ``by``: the worker recording it, on its own subject (None: the router or the reaper)."""
+    """Publish ``outcome`` with its attempt's message id, retrying with backoff for up to
+    ``retry_s`` (its message id keeps a retry single); raise at last. ``by``: the worker
+    recording it, on its own subject (None: the router or the reaper)."""
     delay = first_delay_s
-    for attempt in range(tries):
+    deadline = time.monotonic() + retry_s
+    while True:
         try:
             await publish_event(
                 js,
@@ -68,13 +74,13 @@ async def store_outcome(
             )
             return
         except Exception as exc:
-            if attempt == tries - 1:
+            if time.monotonic() + delay >= deadline:
                 raise
             log.warning(
                 "storing the outcome failed; retrying", task_id=outcome.task_id, error=repr(exc)
             )
             await asyncio.sleep(delay)
-            delay *= 2
+            delay = min(delay * 2, OUTCOME_RETRY_MAX_DELAY_S)
 
 
 async def last_stored(js: JetStreamContext, subject: str) -> tuple[str, bytes] | None:
