@@ -212,15 +212,19 @@ class TaskLoop:
                 if sub is not None:
                     with suppress(Exception):
                         await sub.unsubscribe()
-            if self.asleep.is_set() and self.settings.sleep is not None:
-                idle_s = time.time() - self.runner.last_activity
-                await go_to_sleep(
-                    self.js, self.lease, self.record(), self.settings.sleep, idle_s=idle_s
-                )
-            else:
-                lost = self.lease.lost.is_set()
-                await deregister(self.lease, self.js, "lease lost" if lost else "stopped")
-            await self.kind.close()
+            try:
+                if self.asleep.is_set() and self.settings.sleep is not None:
+                    idle_s = time.time() - self.runner.last_activity
+                    await go_to_sleep(
+                        self.js, self.lease, self.record(), self.settings.sleep, idle_s=idle_s
+                    )
+                else:
+                    lost = self.lease.lost.is_set()
+                    await deregister(self.lease, self.js, "lease lost" if lost else "stopped")
+            finally:
+                # Whatever became of the goodbye (a bus away, a stop cut short), the backend's
+                # connections are closed.
+                await self.kind.close()
         log.info("worker stopped", worker_id=self.settings.worker_id, **self.runner.counts)
         if self.lease.lost.is_set():
             raise LeaseLost(f"worker '{self.settings.worker_id}' stopped: its lease was taken over")
