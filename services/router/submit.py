@@ -17,7 +17,6 @@ from typing import Any, Final
 
 import nats.errors
 import nats.js.errors
-import structlog
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
@@ -31,10 +30,12 @@ from services.runtime.errors import Unavailable
 from services.runtime.outcomes import last_on
 from services.runtime.tracing import inject_context
 
-log = structlog.get_logger("router")
-
 # How long a write caught by a bus outage is tried again, and how often.
 OUTAGE_RETRY_S: Final = 10.0
+# The task message is tried longer: well past a cluster's leader election (4 to 9 s), within
+# the stream's window for duplicate message ids (2 minutes), so a try stored with its
+# acknowledgement lost is recognised by a later one.
+QUEUE_RETRY_S: Final = 60.0
 OUTAGE_RETRY_EVERY_S: Final = 0.25
 # What a write gets while the connection is lost or the server is starting (JetStream not
 # ready, the stream not recovered yet, an acknowledgement that never came).
@@ -48,9 +49,10 @@ _OUTAGE_ERRORS: Final = (
 )
 
 
-async def through_outage(write: Callable[[], Awaitable[Any]]) -> Any:
-    """``write()``, sent again while it fails for a bus outage, for up to `OUTAGE_RETRY_S`."""
-    deadline = time.monotonic() + OUTAGE_RETRY_S
+async def through_outage(write: Callable[[], Awaitable[Any]], retry_s: float | None = None) -> Any:
+    """``write()``, sent again while it fails for a bus outage, for up to ``retry_s``
+    (`OUTAGE_RETRY_S` by default)."""
+    deadline = time.monotonic() + (OUTAGE_RETRY_S if retry_s is None else retry_s)
     while True:
         try:
             return await write()
@@ -66,9 +68,8 @@ class AlreadySubmitted(Exception):
 
 
 async def submit(js: JetStreamContext, task: Submission) -> int:
-    """Record and queue the task; returns its message's sequence in ``TASKS`` (0 when the
-    queueing went unconfirmed). Raises `AlreadySubmitted` when another request routed a task
-    of this id first."""
+    """Record and queue the task; returns its message's sequence in ``TASKS``. Raises
+    `AlreadySubmitted` when another request routed a task of this id first."""
     task_id, decision = task.task_id, task.decision
     # Both events go out at once and their acknowledgements are awaited together: one
     # round trip instead of two. One connection keeps their order in EVENTS, and the task
@@ -101,15 +102,12 @@ async def submit(js: JetStreamContext, task: Submission) -> int:
         message = encoder.encode(task_message(task, int(routed.seq)))
         # The worker continues this request's trace (traceparent).
         headers = inject_context({"Nats-Msg-Id": f"{task_id}:1"})
-        ack = await through_outage(lambda: js.publish(decision.queue, message, headers=headers))
-    except _OUTAGE_ERRORS as exc:
-        # The message may well be stored (an acknowledgement lost while a cluster elects the
-        # stream's leader, then no stream answering the tries after it): failing the task
-        # here would tell its client "failed" for a task that then runs. It is taken as
-        # queued; if it is not there, the reaper finds a routed task without its message (a
-        # ghost) and queues it again.
-        log.warning("queueing not confirmed; taken as queued", task_id=task_id, error=repr(exc))
-        return 0
+        # Tried until the stream says it holds the message (a duplicate of a try that was
+        # stored with its acknowledgement lost counts): given up on sooner, a message that
+        # was stored would run while its client is told the task failed.
+        ack = await through_outage(
+            lambda: js.publish(decision.queue, message, headers=headers), QUEUE_RETRY_S
+        )
     except Exception as exc:
         reason = f"could not queue the task on {decision.queue}: {exc or type(exc).__name__}"
         await fail_unqueued(js, task_id, decision, reason)
