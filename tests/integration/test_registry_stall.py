@@ -5,13 +5,10 @@ answers ``unavailable`` (never ``no_worker``) and the reaper fails no running ta
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-import pytest
 from nats.aio.client import Client
 from structlog.testing import capture_logs
 
@@ -20,48 +17,17 @@ from devtools.servers import NatsCluster
 from schemas.subjects import ROUTE, WORKERS_BUCKET
 from services.cli.health import setup_streams
 from services.cli.permissions import (
-    EXAMPLE_WEB_WORKERS,
     EXAMPLE_WORKERS,
-    NATS_ROLES,
     nats_user,
-    password_variable,
 )
 from services.runtime.bus import connect
 from services.runtime.request import new_task_id, stream_call
-from services.runtime.settings import NatsAuth
 from tests.harness import ServiceRunner, eventually, request, workers_live
+from tests.integration.test_cluster import MODEL, auth, cluster, password
+
+__all__ = ["cluster"]  # the three-node cluster fixture, shared with test_cluster
 
 WORKER = EXAMPLE_WORKERS[0]
-MODEL = "qwen2.5:0.5b"
-USERS = [
-    "admin",
-    *NATS_ROLES,
-    *(nats_user("worker", w) for w in EXAMPLE_WORKERS),
-    *(nats_user("web-search", w) for w in EXAMPLE_WEB_WORKERS),
-]
-
-
-def password(user: str) -> str:
-    return f"pw-{user}"
-
-
-def auth(user: str) -> NatsAuth:
-    return NatsAuth(user=user, password=password(user))
-
-
-@pytest.fixture
-def cluster() -> Iterator[NatsCluster]:
-    with tempfile.TemporaryDirectory(prefix="coord-cluster-") as root:
-        nodes = NatsCluster(
-            root,
-            {password_variable(user): password(user) for user in USERS},
-            workers=EXAMPLE_WORKERS,
-            web_workers=EXAMPLE_WEB_WORKERS,
-        )
-        try:
-            yield nodes.start()
-        finally:
-            nodes.stop()
 
 
 async def registry_leader(nc: Client, cluster: NatsCluster) -> int:
