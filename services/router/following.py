@@ -70,6 +70,7 @@ class Follower:
         self.moves_on = moves_on
         self.supports = supports
         self.peers = peers
+        self._asked: set[str] = set()  # reply subjects whose request is being answered here
 
     async def answer(
         self, request: RouteRequest, task_id: str, reply_to: str
@@ -77,8 +78,19 @@ class Follower:
         """The reply for a request naming ``task_id``; `UNSUBMITTED` when the task is new;
         None when this router, or another, already answers ``reply_to`` for it (no second
         reply)."""
-        if reply_to and self.waiting_on.get(reply_to) == task_id:
+        if reply_to and (self.waiting_on.get(reply_to) == task_id or reply_to in self._asked):
             return None
+        # Held from here to the answer: the same request asked again meanwhile (a client asks
+        # again every few seconds) stays silent here, not a second answer.
+        self._asked.add(reply_to)
+        try:
+            return await self._answer(request, task_id, reply_to)
+        finally:
+            self._asked.discard(reply_to)
+
+    async def _answer(
+        self, request: RouteRequest, task_id: str, reply_to: str
+    ) -> RouteReply | Unsubmitted | None:
         submitted = await stored(self.js, task_id, "submitted")
         if not isinstance(submitted, TaskSubmitted):
             return UNSUBMITTED
