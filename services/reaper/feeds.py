@@ -85,7 +85,7 @@ class Feeds:
         self._last_seq = 0
         self._events_sub: JetStreamContext.PushSubscription | None = None
         self.settling = SettlingTracker(reconnects(nc), time.time())
-        self.cursor = BucketCursor()  # how far the registry's watch has read
+        self.cursor = BucketCursor(nc)  # how far the registry's watch has read
 
     async def start(
         self, workers: KeyValue, asleep: KeyValue, stats: KeyValue, tasks: TaskSet

@@ -39,7 +39,7 @@ class RegistryFeed:
         self.ttl_s = ttl_s
         # A fresh start awaits nobody: the first full read of the bucket is the registry.
         self.settling = SettlingTracker(reconnects(nc), time.time())
-        self.cursor = BucketCursor()  # how far the watch has read (`services.runtime.stall`)
+        self.cursor = BucketCursor(nc)  # how far the watch has read (`services.runtime.stall`)
 
     def follow(
         self, js: JetStreamContext, kv: KeyValue, ready: asyncio.Event, tasks: TaskSet

@@ -8,9 +8,12 @@ reaper failing running tasks). So when a view has heard from no worker for a thi
 info, with its leader); while it does not, the view settles again, waiting for the workers that
 were live to heartbeat again (`SettlingTracker.wait_for`). The view's own watch may be what
 went quiet: its consumer lost with the node that held it, the connection still up. When the
-bucket answers with entries the watch never delivered, the watch starts again from the
-bucket's current values, and the view settles meanwhile. A quiet registry that answers, its
-watch in step, is a fleet whose workers all went silent: verdicts go ahead.
+bucket answers with a revision newer than the watch has read (`BucketCursor`), the watch
+starts again from the bucket's current values, and the view settles meanwhile. Settling after
+a stall allows the workers, beyond a TTL, the time their connections take to leave a node
+that was cut off (`FAILOVER_S`): a partition stalls the bucket and cuts workers off at once.
+A quiet registry that answers, its watch in step, is a fleet whose workers all went silent:
+verdicts go ahead.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from nats.js import JetStreamContext
 from schemas.subjects import WORKERS_BUCKET
 from schemas.workers import WorkerRecord
 from services.fleet.settling import SettlingTracker, awaited_after_outage, is_quiet
+from services.runtime.bus import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S
 from services.runtime.watch import BucketCursor
 
 log = structlog.get_logger("stall")
@@ -33,6 +37,9 @@ log = structlog.get_logger("stall")
 # How often a view's quiet is looked at, and how long the bucket gets to answer.
 LOOK_S: Final = 0.25
 PROBE_TIMEOUT_S: Final = 0.5
+# How long a worker connected to a node that was cut off takes to notice and move to another
+# (its pings unanswered): a registry stalled by that cut hears from it this much later.
+FAILOVER_S: Final = PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1)
 
 
 async def bucket_revision(js: JetStreamContext, bucket: str = WORKERS_BUCKET) -> int | None:
@@ -80,12 +87,13 @@ async def look_once(
     if not is_quiet(current, time.time(), ttl_s):
         return False
     revision = await bucket_revision(js)
-    if revision is not None and revision <= cursor.revision:
+    if revision is not None and not cursor.behind(revision):
         if stalled:
             log.info("the worker registry answers again")
         return False
-    # Settle again from now: the workers live when it went quiet must be heard again.
-    settling.wait_for(time.time(), awaited_after_outage(current, ttl_s))
+    # Settle again: the workers live when it went quiet must be heard again, within a TTL
+    # of the time their connections take to leave a node cut off (`FAILOVER_S`).
+    settling.wait_for(time.time() + FAILOVER_S, awaited_after_outage(current, ttl_s))
     if revision is not None:
         log.warning(
             "the worker registry's watch fell behind (its consumer was lost?); reading "

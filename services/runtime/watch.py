@@ -10,8 +10,10 @@ as soon as the connection has been re-established.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from contextlib import suppress
+from typing import Final
 
 import msgspec
 import nats.errors
@@ -23,6 +25,9 @@ log = structlog.get_logger("watch")
 
 # How often a quiet watch checks whether the connection was re-established meanwhile.
 RECONNECT_CHECK_S = 0.25
+# A watch that has not fed the bucket's current values this long after it started (a registry
+# reads in milliseconds) is taken for one whose consumer was lost meanwhile.
+READ_WITHIN_S: Final = 5.0
 
 
 def value_of(entry: KeyValue.Entry) -> bytes | None:
@@ -32,13 +37,33 @@ def value_of(entry: KeyValue.Entry) -> bytes | None:
 
 
 class BucketCursor:
-    """How far a bucket's watch has read (the newest entry's revision), and a way to make it
-    start again from the bucket's current values: a watch whose consumer was lost with a
-    cluster node falls silent with the connection still up (`services.runtime.stall`)."""
+    """How far a bucket's watch has read, and a way to make it start again from the bucket's
+    current values: a watch whose consumer was lost with a cluster node falls silent with the
+    connection still up (`services.runtime.stall`).
 
-    def __init__(self) -> None:
+    ``revision`` is the newest entry's revision the watch fed, or the bucket's newest revision
+    when a watch started once it has fed the current values, whichever is later: revisions in
+    between that it never fed are gone (expired, or replaced), so nothing is behind.
+    """
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
         self.revision = 0
         self.restart = asyncio.Event()
+        self.watching = (-1, False, 0.0)
+        """The connection (`reconnects`) the current watch started on, whether it has fed the
+        bucket's current values, and when it started (`time.monotonic`)."""
+
+    def behind(self, revision: int) -> bool:
+        """Has the bucket stored ``revision``, which the watch should have fed and has not?
+        Only a watch on the current connection that has fed the current values should have (or
+        that has been at it for `READ_WITHIN_S`): one starting, or reading them again after a
+        reconnect, is catching up as it should (judged behind, it would be started again, and
+        its view kept settling, for nothing)."""
+        generation, read, since = self.watching
+        if revision <= self.revision or generation != reconnects(self.nc):
+            return False
+        return read or time.monotonic() - since >= READ_WITHIN_S
 
 
 def reconnects(nc: Client) -> int:
@@ -70,7 +95,10 @@ async def follow_bucket(
         seen = reconnects(nc)
         if on_watch is not None:
             on_watch(seen)
+        if cursor is not None:
+            cursor.watching = (seen, False, time.monotonic())
         try:
+            start_revision = await _newest_revision(kv) if cursor is not None else 0
             watcher = await kv.watchall()
         except Exception as exc:  # the server is not back yet
             log.warning("bucket watch not started; trying again", error=repr(exc))
@@ -85,6 +113,9 @@ async def follow_bucket(
                 except nats.errors.TimeoutError:
                     continue
                 if entry is None:
+                    if cursor is not None:
+                        cursor.revision = max(cursor.revision, start_revision)
+                        cursor.watching = (seen, True, cursor.watching[2])
                     ready.set()
                     if on_read is not None:
                         on_read(seen)
@@ -98,3 +129,9 @@ async def follow_bucket(
         finally:
             with suppress(Exception):
                 await watcher.stop()  # type: ignore[no-untyped-call]
+
+
+async def _newest_revision(kv: KeyValue) -> int:
+    """The bucket's newest revision (its stream's last sequence)."""
+    status = await kv.status()
+    return int(status.stream_info.state.last_seq)
