@@ -53,8 +53,10 @@ class Canceller:
         queued or running (it has ended, or is unknown)."""
         request = parse_cancel_request(body)
         if request.task_id is None:
+            # A reply subject is held a moment after its answer (`services.router.waiting`):
+            # its task may have ended.
             task_id = await self.peers.holder_of(reply_to=request.reply_to)
-            if task_id is None:
+            if task_id is None or not await self._under_way(task_id):
                 raise NotFound(f"no route request waits on {request.reply_to} (it was answered)")
         else:
             task_id = request.task_id

@@ -7,9 +7,10 @@ whichever router takes the request reads the task from the event log (its ``subm
 latest ``routed``, its outcome if it has one) and answers: at once for a task that has ended
 or a client that does not wait, else when the task ends, by the same rules as the first
 request (`services.router.waiting`). A router already waiting on that reply subject for the
-task stays silent: its one answer comes at the end; so does any other router, once the one
-waiting says so (`services.router.peers`), so that a client whose request was asked again of
-another router while the first one lives still gets one answer.
+task stays silent: its one answer comes at the end; so does one that answered it a moment ago
+(`services.router.waiting.let_go`), and any other router, once the one waiting says so
+(`services.router.peers`), so that a client whose request was asked again of another router
+while the first one lives still gets one answer.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from services.fleet.binding import Supports
 from services.router.ending import wait_for_end
 from services.router.peers import Peers
 from services.router.records import ended_reply, latest_outcome
-from services.router.waiting import Waiter
+from services.router.waiting import Waiter, let_go
 from services.runtime.outcomes import last_on, stored_ends
 
 log = structlog.get_logger("router")
@@ -45,9 +46,12 @@ class Unsubmitted:
 UNSUBMITTED: Final = Unsubmitted()
 
 
-async def stored(js: JetStreamContext, task_id: str, kind: str) -> object | None:
-    """The task's latest ``kind`` event recorded by the router or the reaper, decoded."""
-    data = await last_on(js, task_event(task_id, kind))
+async def stored(
+    js: JetStreamContext, task_id: str, kind: str, *, leader: bool = False
+) -> object | None:
+    """The task's latest ``kind`` event recorded by the router or the reaper, decoded; read
+    from the stream's leader with ``leader`` (`services.runtime.outcomes.last_stored`)."""
+    data = await last_on(js, task_event(task_id, kind), leader=leader)
     return None if data is None else task_event_decoder.decode(data)
 
 
@@ -73,31 +77,32 @@ class Follower:
         self._asked: set[str] = set()  # reply subjects whose request is being answered here
 
     async def answer(
-        self, request: RouteRequest, task_id: str, reply_to: str
+        self, request: RouteRequest, task_id: str, reply_to: str, *, leader: bool = False
     ) -> RouteReply | Unsubmitted | None:
         """The reply for a request naming ``task_id``; `UNSUBMITTED` when the task is new;
         None when this router, or another, already answers ``reply_to`` for it (no second
-        reply)."""
+        reply). With ``leader`` the log is read from the stream's leader: a copy that lags
+        (a node that just rejoined) may not hold the task yet."""
         if reply_to and (self.waiting_on.get(reply_to) == task_id or reply_to in self._asked):
             return None
         # Held from here to the answer: the same request asked again meanwhile (a client asks
         # again every few seconds) stays silent here, not a second answer.
         self._asked.add(reply_to)
         try:
-            return await self._answer(request, task_id, reply_to)
+            return await self._answer(request, task_id, reply_to, leader)
         finally:
             self._asked.discard(reply_to)
 
     async def _answer(
-        self, request: RouteRequest, task_id: str, reply_to: str
+        self, request: RouteRequest, task_id: str, reply_to: str, leader: bool
     ) -> RouteReply | Unsubmitted | None:
-        submitted = await stored(self.js, task_id, "submitted")
+        submitted = await stored(self.js, task_id, "submitted", leader=leader)
         if not isinstance(submitted, TaskSubmitted):
             return UNSUBMITTED
         if reply_to and await self.peers.holder_of(reply_to=reply_to) == task_id:
             log.info("asked again; another router answers it", task_id=task_id)
             return None
-        routed = await stored(self.js, task_id, "routed")
+        routed = await stored(self.js, task_id, "routed", leader=leader)
         routing = routed if isinstance(routed, TaskRouted) else None
         queue = routing.queue if routing is not None else ""
         routed_to = routing.worker if routing is not None else ""
@@ -119,7 +124,7 @@ class Follower:
         try:
             # Registered first: an end stored from now on reaches the waiter, one stored
             # before is in the stream.
-            outcome = await self._ended(task_id, waiter)
+            outcome = await self._ended(task_id, waiter, leader)
             if outcome is None:
                 if not (request.wait or request.stream):
                     return RouteReply(
@@ -131,17 +136,18 @@ class Follower:
                 )
             return ended_reply(task_id, queue, routed_to, outcome)
         finally:
-            if reply_to:
-                self.waiting_on.pop(reply_to, None)
+            let_go(self.waiting_on, reply_to, task_id)
             if not shared:
                 waiter.close()
                 self.waiters.pop(task_id, None)
 
-    async def _ended(self, task_id: str, waiter: Waiter) -> TaskCompleted | TaskFailed | None:
+    async def _ended(
+        self, task_id: str, waiter: Waiter, leader: bool
+    ) -> TaskCompleted | TaskFailed | None:
         """The outcome the stream holds that ``waiter`` would take, if any."""
         ends = [
             event
-            for event, source in await stored_ends(self.js, task_id)
+            for event, source in await stored_ends(self.js, task_id, leader=leader)
             if isinstance(event, TaskCompleted | TaskFailed)
             and event.attempt >= waiter.attempt
             and waiter.refusal(event, source) is None

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Collection
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Collection
+from contextlib import suppress
 
 import msgspec
 import structlog
@@ -35,9 +35,7 @@ from schemas.events import (
 )
 from schemas.models import resolve_name
 from schemas.route import (
-    CHUNK_HEADER,
     RouteRequest,
-    StreamChunk,
 )
 from schemas.subjects import (
     ASLEEP_BUCKET,
@@ -46,19 +44,17 @@ from schemas.subjects import (
     ROUTE,
     STATS_BUCKET,
     WORKERS,
-    task_event,
     task_event_source,
 )
-from schemas.tasks import is_retryable
 from services import __version__
 from services.fleet import liveness
 from services.fleet.binding import refusal
 from services.router.backlog import Backlog
 from services.router.cancelling import Canceller
 from services.router.decide import Plan, Submission, decide, submission
-from services.router.ending import wait_for_end
+from services.router.ending import recheck_ends
 from services.router.feeds import apply_figure, apply_sleeper
-from services.router.following import Follower, Unsubmitted
+from services.router.following import UNSUBMITTED, Follower, Unsubmitted
 from services.router.listing import Problems, workers_reply
 from services.router.peers import Peers
 from services.router.reaper_watch import ReaperWatch
@@ -66,9 +62,10 @@ from services.router.records import outcome_reply, queued_reply
 from services.router.registry import RegistryFeed
 from services.router.relay import ChunkRelay
 from services.router.requests import Admitted, admit
-from services.router.submit import AlreadySubmitted, submit
+from services.router.submit import AlreadySubmitted
+from services.router.submitting import WAIT_MARGIN_S, Submitter
 from services.router.view import FleetView
-from services.router.waiting import Tracking, Waiter
+from services.router.waiting import Waiter
 from services.router.waking import Waker
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import connect, ensure_bucket, ensure_streams
@@ -90,9 +87,6 @@ _duplicate_decoder = msgspec.json.Decoder(WorkerDuplicate)
 
 # In-flight tasks whose end was missed are forgotten at most this often (see FleetView.expire).
 EXPIRE_INTERVAL_S = 1.0
-
-# Extra time a waiting request allows beyond the task's own timeout: queueing and event delivery.
-WAIT_MARGIN_S = 30.0
 
 
 class Router:
@@ -137,6 +131,16 @@ class Router:
         self.canceller = Canceller(
             nc, self.view.inflight, self._waiters, self._waiting_on, self.peers
         )
+        self.submitter = Submitter(
+            nc,
+            settings,
+            self.waker,
+            self.relay,
+            waiters=self._waiters,
+            waiting_on=self._waiting_on,
+            moves_on=self.reaper.runs,
+            supports=self.supports,
+        )
         self._service: Service | None = None
 
     async def start(self) -> None:
@@ -170,6 +174,7 @@ class Router:
                 follow_bucket(self.nc, kv, functools.partial(apply, self.view), done), name=name
             )
         self.tasks.spawn(self.reaper.watch(), name="ping-reaper")
+        self.tasks.spawn(recheck_ends(self.js, self._waiters), name="recheck-ends")
         await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), timeout=10)
         # The tasks under way before this router started, as the other routers count them (a
         # pool member's outcome is judged by the registry: read first).
@@ -284,15 +289,20 @@ class Router:
         except (NoWorker, UnsupportedCapability):
             await self.registry.look_again(self.js)  # a refusal on a view just healed?
             now = time.time()
-            plan = self._decide(admitted.routed, now)
+            try:
+                plan = self._decide(admitted.routed, now)
+            except (NoWorker, UnsupportedCapability):
+                followed = await self._known_elsewhere(admitted.routed)
+                if not isinstance(followed, Unsubmitted):
+                    return followed
+                raise
         task = self._new_task(admitted, plan, now)
         try:
-            async with self._tracking(task) as tracking:
-                seq = await self._submit(task, tracking)
-                self._log_routed(task, seq)
+            async with self.submitter.tracking(task) as tracking:
+                await self.submitter.submit(task, tracking)
                 if tracking.waiter is None:
                     return encoder.encode(queued_reply(task))
-                outcome = await self._wait(task, tracking.waiter)
+                outcome = await self.submitter.wait(task, tracking.waiter)
         except AlreadySubmitted:
             # Another router took the same request a moment before: its routing stands.
             followed = await self._follow(admitted.routed, task.task_id)
@@ -303,8 +313,32 @@ class Router:
             return followed
         return encoder.encode(outcome_reply(task, outcome))
 
-    async def _follow(self, request: RouteRequest, task_id: str) -> bytes | Unsubmitted | None:
-        reply = await self.follower.answer(request, task_id, reply_subject.get())
+    async def _known_elsewhere(self, request: RouteRequest) -> bytes | Unsubmitted | None:
+        """Before refusing, for want of a live worker, a request that names its task: is the
+        task held by another router, or in the log? A client asked again, of this router,
+        while the router it asked first was still storing the task (an election holds its
+        writes), or the copy of the log this router read first lagged (a node that just
+        rejoined): refused here, the client would be told ``no_worker`` for a task that then
+        runs. Held elsewhere: silent (None), the client asks again; in the log, read from the
+        stream's leader: answered as that task. `UNSUBMITTED`: refuse. Asked only for a model
+        some registered worker serves (its workers silent, not an unknown model): the peers'
+        silence costs up to a second."""
+        task_id = request.task_id
+        if task_id is None or not any(
+            request.model in record.models
+            for group in (self.view.workers.values(), self.view.sleepers.values())
+            for record in group
+        ):
+            return UNSUBMITTED
+        if await self.peers.holder_of(task_id=task_id) == task_id:
+            log.info("asked again; another router holds the task", task_id=task_id)
+            return None
+        return await self._follow(request, task_id, leader=True)
+
+    async def _follow(
+        self, request: RouteRequest, task_id: str, *, leader: bool = False
+    ) -> bytes | Unsubmitted | None:
+        reply = await self.follower.answer(request, task_id, reply_subject.get(), leader=leader)
         if reply is None or isinstance(reply, Unsubmitted):
             return reply
         log.info("followed", task_id=task_id, status=reply.status)
@@ -346,79 +380,6 @@ class Router:
             default_timeout_s=self.settings.default_timeout_s,
             reply_to=reply_subject.get(),
         )
-
-    @asynccontextmanager
-    async def _tracking(self, task: Submission) -> AsyncIterator[Tracking]:
-        """Follow the task while its request is handled: a woken worker's start is watched
-        from before the task is queued, and a waiting client's end is registered before
-        anything is published, so neither can be missed. Dropped when the request is done."""
-        tracking = Tracking()
-        if task.plan.waking is not None:
-            tracking.started = await self.nc.subscribe(
-                task_event(task.task_id, "started", task.plan.waking.worker_id), max_msgs=1
-            )
-        if task.waits:
-            tracking.waiter = Waiter(
-                retryable_kind=is_retryable(task.request.task_type),
-                moves_on=self.reaper.runs,
-                routed_to=task.decision.worker_id,
-                supports=self.supports,
-            )
-            self._waiters[task.task_id] = tracking.waiter
-            tracking.waiting_on = reply_subject.get()
-            if tracking.waiting_on:
-                self._waiting_on[tracking.waiting_on] = task.task_id
-        if task.stream_subject:
-            self.relay.open(task.task_id, task.stream_subject)
-        try:
-            yield tracking
-        finally:
-            if tracking.started is not None:
-                with suppress(Exception):
-                    await tracking.started.unsubscribe()
-            if tracking.waiter is not None:
-                tracking.waiter.close()
-            self._waiters.pop(task.task_id, None)
-            self._waiting_on.pop(tracking.waiting_on, None)
-            self.relay.close(task.task_id)
-
-    async def _submit(self, task: Submission, tracking: Tracking) -> int:
-        """Queue the task (a stream first learns its id) and wake the sleeping worker it goes
-        to; returns its message's sequence in ``TASKS``."""
-        if task.stream_subject:
-            # Before the task is queued, so it comes before any output (one connection keeps
-            # the order): the client learns the task id and can cancel it from now on.
-            await self.nc.publish(
-                task.stream_subject,
-                encoder.encode(StreamChunk(task_id=task.task_id, seq=0)),
-                headers={CHUNK_HEADER: "0"},
-            )
-        seq = await submit(self.js, task)
-        sleeper = task.plan.waking
-        if sleeper is not None:
-            assert tracking.started is not None
-            await self.waker.wake(sleeper, task.task_id, task.request.model, seq, tracking.started)
-            tracking.started = None  # watched by the wake's own task from now on
-        return seq
-
-    def _log_routed(self, task: Submission, seq: int) -> None:
-        decision = task.decision
-        log.info(
-            "routed",
-            task_id=task.task_id,
-            model=task.request.model,
-            worker=decision.worker_id,
-            queue=decision.queue,
-            reason=decision.reason,
-            subject=decision.queue,
-            stream_seq=seq,
-        )
-
-    async def _wait(self, task: Submission, waiter: Waiter) -> TaskCompleted | TaskFailed:
-        """The task's outcome, allowing its timeout, a woken worker's wake and a margin."""
-        wake_s = self.settings.wake_wait_s if task.plan.waking is not None else 0.0
-        budget_s = task.timeout_s + wake_s + WAIT_MARGIN_S
-        return await wait_for_end(self.js, task.task_id, waiter, budget_s)
 
 
 async def run(settings: RouterSettings, stop: asyncio.Event) -> None:

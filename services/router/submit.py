@@ -1,11 +1,17 @@
 """Recording and queueing a task: its ``submitted`` and ``routed`` events, then its message on
-the worker's queue; a task recorded but not queued is recorded as failed.
+the worker's queue; a task routed by this request but not queued is recorded as failed.
 
-Each write rides out a short bus outage (a nats-server restart): one the connection lost, or
-the server not ready yet, is sent again for up to `OUTAGE_RETRY_S`. That is safe because each
-carries its ``Nats-Msg-Id``, so a write stored before the outage is not stored twice; and it
-keeps a task caught by a restart from failing (``unavailable``) when it could be queued a
-moment later."""
+Each write rides out a bus outage (a nats-server restart, a cluster electing a stream's
+leader): one the connection lost, or the server not ready yet, is sent again for up to
+`OUTAGE_RETRY_S`. That is safe because each carries its ``Nats-Msg-Id``, so a write stored
+before the outage (its acknowledgement lost) is not stored twice; and it keeps a task caught
+by an outage from failing (``unavailable``) when it could be queued a moment later.
+
+A failure is recorded only for a routing this request stored, and only while that routing is
+the task's last (the same fence as a worker's outcome): a routing whose write never got an
+answer may be another router's (a client that asked twice) or may have been stored after all,
+and that task may be queued and run; a routing that was never stored is found by the reaper
+(a task submitted and never routed)."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from typing import Any, Final
 
 import nats.errors
 import nats.js.errors
+import structlog
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
@@ -30,12 +37,13 @@ from services.runtime.errors import Unavailable
 from services.runtime.outcomes import last_on
 from services.runtime.tracing import inject_context
 
-# How long a write caught by a bus outage is tried again, and how often.
-OUTAGE_RETRY_S: Final = 10.0
-# The task message is tried longer: well past a cluster's leader election (4 to 9 s), within
-# the stream's window for duplicate message ids (2 minutes), so a try stored with its
+log = structlog.get_logger("router")
+
+# How long a write caught by a bus outage is tried again, and how often: well past a
+# cluster's leader election (4 to 9 s, and the client's move to another server), within the
+# streams' window for duplicate message ids (2 minutes), so a try stored with its
 # acknowledgement lost is recognised by a later one.
-QUEUE_RETRY_S: Final = 60.0
+OUTAGE_RETRY_S: Final = 60.0
 OUTAGE_RETRY_EVERY_S: Final = 0.25
 # What a write gets while the connection is lost or the server is starting (JetStream not
 # ready, the stream not recovered yet, an acknowledgement that never came).
@@ -49,15 +57,26 @@ _OUTAGE_ERRORS: Final = (
 )
 
 
-async def through_outage(write: Callable[[], Awaitable[Any]], retry_s: float | None = None) -> Any:
-    """``write()``, sent again while it fails for a bus outage, for up to ``retry_s``
-    (`OUTAGE_RETRY_S` by default)."""
-    deadline = time.monotonic() + (OUTAGE_RETRY_S if retry_s is None else retry_s)
+# JetStream's answers that say "not now": a try with the same message id is still being
+# stored (a leader election holds it: 409, 10158), or the server sheds load (429).
+_BUSY_CODES: Final = frozenset({409, 429})
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Does ``exc`` say the write may go through if sent again a moment later?"""
+    return isinstance(exc, _OUTAGE_ERRORS) or (
+        isinstance(exc, nats.js.errors.APIError) and exc.code in _BUSY_CODES
+    )
+
+
+async def through_outage(write: Callable[[], Awaitable[Any]]) -> Any:
+    """``write()``, sent again while it fails for a bus outage, for up to `OUTAGE_RETRY_S`."""
+    deadline = time.monotonic() + OUTAGE_RETRY_S
     while True:
         try:
             return await write()
-        except _OUTAGE_ERRORS:
-            if time.monotonic() >= deadline:
+        except Exception as exc:
+            if not is_outage(exc) or time.monotonic() >= deadline:
                 raise
         await asyncio.sleep(OUTAGE_RETRY_EVERY_S)
 
@@ -67,9 +86,10 @@ class AlreadySubmitted(Exception):
     client asked twice): its routing stands, and this request follows it."""
 
 
-async def submit(js: JetStreamContext, task: Submission) -> int:
+async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int:
     """Record and queue the task; returns its message's sequence in ``TASKS``. Raises
-    `AlreadySubmitted` when another request routed a task of this id first."""
+    `AlreadySubmitted` when another request routed a task of this id first. ``fences``: the
+    server takes a fence on another subject (`fences_by_subject`)."""
     task_id, decision = task.task_id, task.decision
     # Both events go out at once and their acknowledgements are awaited together: one
     # round trip instead of two. One connection keeps their order in EVENTS, and the task
@@ -86,31 +106,30 @@ async def submit(js: JetStreamContext, task: Submission) -> int:
         ),
         return_exceptions=True,
     )
-    if isinstance(submitted, BaseException):
-        if not isinstance(routed, BaseException):
-            # A routed task must end: the reaper would otherwise look for it.
-            await fail_unqueued(
-                js, task_id, decision, f"its submission was not stored ({submitted!r})"
-            )
-        reason = submitted or type(submitted).__name__
-        raise Unavailable(f"could not record the task: {reason}") from submitted
-    if not isinstance(routed, BaseException) and routed.duplicate:
+    if isinstance(routed, BaseException):
+        # Whose routing the stream holds, if any, is unknown: nothing is failed (see above).
+        failed = submitted if isinstance(submitted, BaseException) else routed
+        raise Unavailable(f"could not record the task: {failed or type(failed).__name__}") from (
+            failed
+        )
+    if routed.duplicate:
         await _check_own_routing(js, task_id, routed_at)
+    if isinstance(submitted, BaseException):
+        # This request's routing must end: the reaper would otherwise look for it.
+        reason = f"its submission was not stored ({submitted})"
+        await fail_unqueued(js, task_id, decision, reason, int(routed.seq) if fences else None)
+        raise Unavailable(f"could not record the task: {submitted!r}") from submitted
+    message = encoder.encode(task_message(task, int(routed.seq)))
+    # The worker continues this request's trace (traceparent).
+    headers = inject_context({"Nats-Msg-Id": f"{task_id}:1"})
     try:
-        if isinstance(routed, BaseException):
-            raise routed
-        message = encoder.encode(task_message(task, int(routed.seq)))
-        # The worker continues this request's trace (traceparent).
-        headers = inject_context({"Nats-Msg-Id": f"{task_id}:1"})
         # Tried until the stream says it holds the message (a duplicate of a try that was
         # stored with its acknowledgement lost counts): given up on sooner, a message that
         # was stored would run while its client is told the task failed.
-        ack = await through_outage(
-            lambda: js.publish(decision.queue, message, headers=headers), QUEUE_RETRY_S
-        )
+        ack = await through_outage(lambda: js.publish(decision.queue, message, headers=headers))
     except Exception as exc:
         reason = f"could not queue the task on {decision.queue}: {exc or type(exc).__name__}"
-        await fail_unqueued(js, task_id, decision, reason)
+        await fail_unqueued(js, task_id, decision, reason, int(routed.seq) if fences else None)
         raise Unavailable(f"task {task_id}: {reason}") from exc
     return int(ack.seq)
 
@@ -125,12 +144,15 @@ async def _check_own_routing(js: JetStreamContext, task_id: str, routed_at: floa
 
 
 async def fail_unqueued(
-    js: JetStreamContext, task_id: str, decision: Decision, reason: str
+    js: JetStreamContext, task_id: str, decision: Decision, reason: str, routed_seq: int | None
 ) -> None:
-    """Record the end of a task that was recorded but could not be queued (best effort)."""
+    """Record the end of a task this request routed but could not queue (best effort); with
+    ``routed_seq`` (its ``routed``'s sequence), only while that routing is the task's last."""
+    log.warning("task not queued; failed", task_id=task_id, queue=decision.queue, reason=reason)
     with suppress(Exception):
         await publish_event(
             js,
             unqueued_failure(task_id, decision, reason, time.time()),
             msg_id=f"{task_id}:failed:router",
+            expect_last=None if routed_seq is None else (task_event(task_id, "routed"), routed_seq),
         )

@@ -91,3 +91,23 @@ async def _in_flight(fake: FakeOllama) -> bool:
 
 async def _hung_up(fake: FakeOllama) -> bool:
     return fake.stats()["cancelled"] > 0
+
+
+async def test_a_cancel_by_the_reply_subject_of_an_answered_request_is_refused(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """The router holds an answered reply subject a moment longer (an ask that crossed the
+    answer is told nothing): a cancel naming it meanwhile is still told its task has ended."""
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1)
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    body = {"prompt": "1+1", "model": MODEL, "wait": True}
+    await nc.publish("coordinator.route", msgspec.json.encode(body), reply=inbox)
+    answer = msgspec.json.decode((await sub.next_msg(timeout=30)).data)
+    assert answer["status"] == "done"
+
+    refused, headers = await request(nc, "coordinator.cancel", {"reply_to": inbox})
+    assert headers["Nats-Service-Error-Code"] == "not_found", refused
+    assert "it was answered" in refused["error"]["message"], refused

@@ -6,17 +6,23 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import time
 from typing import Any
 
 import msgspec
 import ollama as ollama_client
 import openai
+import pytest
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from nats.js.api import StreamInfo
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
+from schemas.events import Durations, TaskCompleted, TaskRouted, TaskStarted, TaskSubmitted
 from schemas.route import RouteReply
+from services.runtime import outcomes
+from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.request import new_task_id, stream_call
 from tests.harness import (
     COORDINATOR,
@@ -30,6 +36,7 @@ from tests.harness import (
     workers_live,
 )
 from tests.integration.test_gateway import start_gateway
+from tests.reaper_harness import no_live_worker_serving
 
 MODEL = "qwen2.5:0.5b"
 
@@ -210,3 +217,61 @@ async def test_coordinator_ask_gets_its_answer_when_its_router_dies_while_it_wai
     assert ask.returncode == 0, err
     assert out.strip() == "42"
     assert "done on cpu-1" in err
+
+
+async def test_a_task_a_lagging_copy_of_the_log_misses_is_followed_not_refused(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client asks again for a task another router submitted and a worker completed; the
+    copy of the log this router reads first lags (a node that just rejoined the cluster), and
+    no worker looks live to it (the registry's leader is being elected). It must not refuse
+    ``no_worker``: before a refusal the stream's leader is asked, and the task is answered."""
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+    task_id, now = new_task_id(), time.time()
+    for event, by in (
+        (TaskSubmitted(at=now, task_id=task_id, model=MODEL, prompt="1+1", timeout_s=60), None),
+        (
+            TaskRouted(at=now, task_id=task_id, attempt=1, worker="cpu-1", queue="tasks.cpu.cpu-1"),
+            None,
+        ),
+        (TaskStarted(at=now, task_id=task_id, attempt=1, worker="cpu-1", host="h"), "cpu-1"),
+        (
+            TaskCompleted(
+                at=now,
+                task_id=task_id,
+                attempt=1,
+                worker="cpu-1",
+                model=MODEL,
+                response="2",
+                durations=Durations(total_ms=1),
+            ),
+            "cpu-1",
+        ),
+    ):
+        await publish_event(js, event, by=by)
+    read = outcomes.last_stored
+
+    async def lagging(
+        js: JetStreamContext, subject: str, *, leader: bool = False
+    ) -> tuple[str, bytes] | None:
+        return await read(js, subject, leader=True) if leader else None
+
+    monkeypatch.setattr(outcomes, "last_stored", lagging)
+    runner.router(nats_server.url)
+    await eventually(lambda: _router_ready(nc), timeout_s=10)
+    await no_live_worker_serving(nc, MODEL)
+
+    body, _ = await request(
+        nc, "coordinator.route", {"prompt": "1+1", "model": MODEL, "wait": True, "task_id": task_id}
+    )
+
+    assert (body["status"], body["task_id"], body["response"]) == ("done", task_id, "2")
+
+
+async def _router_ready(nc: Client) -> bool:
+    try:
+        await request(nc, "coordinator.workers", {}, timeout_s=1.0)
+    except Exception:
+        return False
+    return True

@@ -10,12 +10,16 @@ import time
 from typing import Any
 
 import msgspec
+import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
-from schemas.route import CHUNK_HEADER, RouteReply
+from schemas.route import CHUNK_HEADER, HoldsQuery, HoldsReply, RouteReply
+from schemas.subjects import ROUTE, ROUTER_HOLDS
+from services.router.waiting import ANSWERED_HOLD_S
 from services.runtime.request import new_task_id
 from tests.harness import (
     COORDINATOR,
@@ -28,7 +32,7 @@ from tests.harness import (
 )
 from tests.integration.test_follow import count_events, started
 from tests.process_logs import ProcessLog
-from tests.reaper_harness import MODEL
+from tests.reaper_harness import MODEL, no_live_worker_serving
 
 # After the answer, how long the client keeps listening for a second one.
 LISTEN_AFTER_S = 3.0
@@ -162,6 +166,51 @@ async def test_a_client_asking_again_of_the_other_router_while_the_first_lives_g
     assert await count_events(nc, task_id, "started") == 1
 
 
+async def test_an_ask_that_crosses_the_answer_gets_none_and_a_later_one_gets_it_again(
+    nats_server: NatsServer,
+    nc: Client,
+    ollama: FakeOllama,
+    runner: ServiceRunner,
+    processes: Processes,
+) -> None:
+    routers = [start_router(processes, nats_server) for _ in range(2)]
+    for router in routers:
+        await router.wait_for("router ready")
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1, timeout_s=30)
+    task_id = new_task_id()
+    body = msgspec.json.encode({"prompt": "1+1", "model": MODEL, "wait": True, "task_id": task_id})
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+
+    async def ask_and_listen(listen_s: float, *, until_one: bool = False) -> list[RouteReply]:
+        await nc.publish(ROUTE, body, reply=inbox)
+        finals: list[RouteReply] = []
+        deadline = time.monotonic() + listen_s
+        while (left := deadline - time.monotonic()) > 0 and not (until_one and finals):
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except TimeoutError:
+                break
+            finals.append(msgspec.json.decode(msg.data, type=RouteReply))
+        return finals
+
+    first = await ask_and_listen(30.0, until_one=True)
+    # Asked again the moment the answer came, as a client does whose timer fired while the
+    # answer was on its way: whichever router takes it, silence (nor a second answer to the
+    # first ask).
+    crossed = await ask_and_listen(1.0)
+    # Asked again later, as a client does whose answer was lost: answered, once.
+    await asyncio.sleep(ANSWERED_HOLD_S)
+    later = await ask_and_listen(LISTEN_AFTER_S)
+    await sub.unsubscribe()
+
+    assert [(r.task_id, r.status, r.response) for r in first] == [(task_id, "done", "2")]
+    assert crossed == []
+    assert [(r.task_id, r.status, r.response) for r in later] == [(task_id, "done", "2")]
+    assert await count_events(nc, task_id, "started") == 1
+
+
 async def test_a_cancel_works_whichever_router_takes_it(
     nats_server: NatsServer,
     nc: Client,
@@ -252,3 +301,39 @@ async def test_a_router_started_while_tasks_run_counts_them_as_the_other_does(
         body, _ = await request(nc, "coordinator.workers", {}, timeout_s=5)
         [worker] = body["workers"]
         assert worker.get("queue_depth", 0) == 2, body
+
+
+async def test_a_router_with_no_worker_for_a_task_another_router_holds_stays_silent(
+    nats_server: NatsServer, nc: Client, processes: Processes
+) -> None:
+    """A client asked again, of this router, while the router it asked first is still storing
+    the task (an election holds its writes) and this one sees no live worker (the registry's
+    leader is being elected too). Refusing would tell the client ``no_worker`` for a task
+    that then runs: the router stays silent, and the client asks again later. Here the other
+    router is played by a subscriber that answers the routers' question for one task."""
+    router = start_router(processes, nats_server)
+    await router.wait_for("router ready")
+    await no_live_worker_serving(nc, MODEL)
+    held = new_task_id()
+
+    async def holder(msg: Msg) -> None:
+        if msgspec.json.decode(msg.data, type=HoldsQuery).task_id == held:
+            await msg.respond(msgspec.json.encode(HoldsReply(task_id=held)))
+
+    holds = await nc.subscribe(ROUTER_HOLDS, cb=holder)
+    try:
+        inbox = nc.new_inbox()
+        replies = await nc.subscribe(inbox)
+        body = {"prompt": "1+1", "model": MODEL, "wait": True}
+        await nc.publish(ROUTE, msgspec.json.encode({**body, "task_id": held}), reply=inbox)
+        with pytest.raises(TimeoutError):
+            await replies.next_msg(timeout=3.0)
+        assert handled(router, "asked again; another router holds the task", held)
+        # A task nobody holds is refused as ever.
+        await nc.publish(
+            ROUTE, msgspec.json.encode({**body, "task_id": new_task_id()}), reply=inbox
+        )
+        refusal = await replies.next_msg(timeout=5.0)
+        assert b"no_worker" in refusal.data
+    finally:
+        await holds.unsubscribe()

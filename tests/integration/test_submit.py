@@ -15,14 +15,15 @@ import nats.errors
 import pytest
 from nats.aio.client import Client
 from nats.js.api import PubAck
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
+from schemas.events import TaskRouted
 from schemas.route import RouteRequest
 from services.fleet.policy import Decision
 from services.router import submit as submit_module
 from services.router.decide import Plan, Submission, submission
 from services.router.submit import submit
-from services.runtime.bus import ensure_streams
+from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.errors import Unavailable
 from tests.harness import last_task_event
 
@@ -59,7 +60,7 @@ async def test_a_task_whose_acknowledgements_are_lost_is_queued_once_and_never_f
 
     monkeypatch.setattr(js, "publish", three_acks_lost)
 
-    seq = await submit(js, task("t-lost-acks"))
+    seq = await submit(js, task("t-lost-acks"), fences=True)
 
     # Stored by the first try; the later ones were taken as duplicates of it.
     assert seq == sent[0].seq and len(sent) == 4
@@ -74,7 +75,7 @@ async def test_a_task_that_cannot_be_queued_within_the_window_fails_explicitly(
 ) -> None:
     js = nc.jetstream()
     await ensure_streams(js, worker_ttl_s=3.0)
-    monkeypatch.setattr(submit_module, "QUEUE_RETRY_S", 0.5)
+    monkeypatch.setattr(submit_module, "OUTAGE_RETRY_S", 0.5)
     publish = js.publish
 
     async def no_stream_answers(subject: str, payload: bytes = b"", **kw: Any) -> PubAck:
@@ -85,6 +86,90 @@ async def test_a_task_that_cannot_be_queued_within_the_window_fails_explicitly(
     monkeypatch.setattr(js, "publish", no_stream_answers)
 
     with pytest.raises(Unavailable, match="could not queue the task"):
-        await submit(js, task("t-never-queued"))
+        await submit(js, task("t-never-queued"), fences=True)
     failed = await last_task_event(js, "t-never-queued", "failed")
     assert b'"code":"unavailable"' in (failed.data or b"")
+
+
+async def test_a_routing_whose_write_never_answers_is_not_failed_by_this_router(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client asked twice, through two routers, during an election: the first router's
+    routing was stored and its task queued; the second's ``routed`` went unanswered. That one
+    must not record the task as failed: the task runs, and its client would be told it failed."""
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+    first = task("t-two-routers")
+    await submit(js, first, fences=True)
+    monkeypatch.setattr(submit_module, "OUTAGE_RETRY_S", 0.5)
+    publish = js.publish
+
+    async def routed_unanswered(subject: str, payload: bytes = b"", **kw: Any) -> PubAck:
+        if subject.endswith(".routed"):
+            raise nats.errors.TimeoutError  # no leader yet: the write gets no answer
+        return await publish(subject, payload, **kw)
+
+    monkeypatch.setattr(js, "publish", routed_unanswered)
+
+    with pytest.raises(Unavailable, match="could not record the task"):
+        await submit(js, task("t-two-routers"), fences=True)
+    with pytest.raises(NotFoundError):
+        await last_task_event(js, "t-two-routers", "failed")
+    assert (await js.get_last_msg("TASKS", QUEUE)).seq is not None
+
+
+async def test_a_routing_moved_on_meanwhile_is_not_failed_by_its_router(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This router's routing was stored but its message could not be queued; meanwhile the
+    reaper found the task unqueued and routed it again. The failure the router would record
+    is refused: it belongs to an attempt that was moved on."""
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+    monkeypatch.setattr(submit_module, "OUTAGE_RETRY_S", 0.5)
+    publish = js.publish
+
+    async def moved_while_queueing(subject: str, payload: bytes = b"", **kw: Any) -> PubAck:
+        if subject.startswith("tasks."):
+            moved = TaskRouted(
+                at=1.0, task_id="t-moved", attempt=2, worker="cpu-2", queue="tasks.cpu.cpu-2"
+            )
+            await publish_event(js, moved, msg_id="t-moved:routed:2")
+            raise nats.errors.NoRespondersError
+        return await publish(subject, payload, **kw)
+
+    monkeypatch.setattr(js, "publish", moved_while_queueing)
+
+    with pytest.raises(Unavailable, match="could not queue the task"):
+        await submit(js, task("t-moved"), fences=True)
+    with pytest.raises(NotFoundError):
+        await last_task_event(js, "t-moved", "failed")
+
+
+async def test_a_write_whose_earlier_try_is_still_being_stored_is_sent_again(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """During an election the stream answers a second try of a message id it is still storing
+    with 409 ("duplicate message id is in process"): not a failure, a "not yet"."""
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+    publish = js.publish
+    busy = 0
+
+    async def in_process_twice(subject: str, payload: bytes = b"", **kw: Any) -> PubAck:
+        nonlocal busy
+        if subject.endswith(".submitted") and busy < 2:
+            busy += 1
+            raise APIError(
+                code=409, err_code=10158, description="duplicate message id is in process"
+            )
+        return await publish(subject, payload, **kw)
+
+    monkeypatch.setattr(js, "publish", in_process_twice)
+
+    await submit(js, task("t-in-process"), fences=True)
+
+    assert busy == 2
+    assert (await last_task_event(js, "t-in-process", "submitted")).data
+    with pytest.raises(NotFoundError):
+        await last_task_event(js, "t-in-process", "failed")

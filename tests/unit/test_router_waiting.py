@@ -135,3 +135,62 @@ async def test_the_routers_and_reapers_failures_are_taken_as_they_are() -> None:
     waiter = waiter_for("w", retryable_kind=False)
     assert await waiter.ended(failed(1, retryable=False, worker=None), None) is None
     assert waiter.future.done()
+
+
+async def test_an_end_read_from_the_stream_answers_as_if_it_had_arrived() -> None:
+    waiter = waiter_for("w")
+    assert await waiter.stored([(completed(1, "two"), "w")]) == []
+    assert waiter.future.result().response == "two"  # type: ignore[union-attr]
+
+
+async def test_an_earlier_attempts_end_stored_before_the_move_answers() -> None:
+    # The move to attempt 2 raced attempt 1's completion, which the stream stored first (the
+    # server refuses it after the move): the task ended, attempt 2 is never queued.
+    waiter = waiter_for("w")
+    await waiter.routed(2, "x")
+    await waiter.stored([(completed(1, "two"), "w")])
+    assert waiter.future.result().response == "two"  # type: ignore[union-attr]
+
+
+async def test_an_earlier_attempt_read_from_the_stream_counts_only_as_an_end_by_its_worker() -> (
+    None
+):
+    waiter = waiter_for("w")
+    await waiter.routed(2, "x")
+    # A retryable failure is what the move was for; another worker's completion is forged.
+    refused = await waiter.stored(
+        [(failed(1, retryable=True), "w"), (completed(1, "forged", worker="g"), "g")]
+    )
+    assert len(refused) == 1 and "'g'" in refused[0]
+    assert not waiter.future.done()
+    # Never seen routed by this waiter: no routing to judge its recorder by.
+    fresh = waiter_for("x")
+    fresh.attempt = 2
+    await fresh.stored([(completed(1, "two"), "w")])
+    assert not fresh.future.done()
+
+
+async def test_the_streams_routing_stands_over_one_heard_but_never_stored() -> None:
+    # A reaper cut off with a minority moved the task to x; the move stored was another
+    # reaper's, to w, which completes it. Then the stream is read.
+    waiter = waiter_for("g")
+    await waiter.routed(2, "x")
+    assert await waiter.ended(completed(2, "two", worker="w"), "w") is not None  # refused
+    waiter.stored_routing(2, "w")
+    assert await waiter.stored([(completed(2, "two", worker="w"), "w")]) == []
+    assert waiter.future.result().response == "two"  # type: ignore[union-attr]
+    # Heard attempt 2, never stored: the stream's attempt 1 stands again.
+    back = waiter_for("w")
+    await back.routed(2, "x")
+    back.stored_routing(1, "w")
+    await back.stored([(completed(1, "one"), "w")])
+    assert back.future.result().response == "one"  # type: ignore[union-attr]
+
+
+async def test_a_retryable_failure_read_again_from_the_stream_still_answers_in_time() -> None:
+    waiter = waiter_for("w", move_on_wait_s=0.2)
+    await waiter.ended(failed(1, retryable=True), "w")
+    for _ in range(4):  # read again from the stream more often than the wait for the move
+        await asyncio.sleep(0.1)
+        await waiter.stored([(failed(1, retryable=True), "w")])
+    assert waiter.future.done()
