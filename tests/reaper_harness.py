@@ -164,3 +164,12 @@ async def queued_copies(nc: Client, queue: str) -> list[tuple[str, int]]:
         message = msgspec.json.decode(raw.data or b"", type=TaskMessage)
         found.append((message.task_id, message.attempt))
         seq = (raw.seq or seq) + 1
+
+
+async def no_live_worker_serving(nc: Client, model: str) -> None:
+    """A worker serving ``model`` that the routers heard from and that then fell silent (its
+    heartbeats stalled with the registry's election, or it was cut off): known, not live."""
+    async with Registration(nc, "cpu-silent", models=(model,)) as silent:
+        await asyncio.sleep(1.0)
+        silent.silence()
+    await asyncio.sleep(3.5)  # older than WORKER_TTL_S

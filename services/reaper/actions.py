@@ -5,8 +5,13 @@ Moving attempt N to attempt N+1, in this order:
 1. the task's ``submitted`` event is read back (the whole request: prompt, options, chat
    messages), so the new message is the task as the client asked for it;
 2. ``routed`` (attempt N+1) is stored: the fence. From now on a worker holding a copy of
-   attempt N finds a newer attempt routed and drops it unrun (``services/worker``), and the
-   router and the stats projection count only attempt N+1's outcome; a cancel notice for
+   attempt N finds a newer attempt routed and drops it unrun (``services/worker``), the
+   server refuses attempt N's outcome (`services.runtime.outcomes.attempt_fence`), and the
+   router and the stats projection count only attempt N+1's outcome. An outcome of attempt
+   N stored before the fence is then looked for, on the stream's leader (which holds every
+   write before the fence): if there is one, the task ended as it was being moved, and
+   attempt N+1 goes no further (its ``routed`` changes nothing: a task's first end
+   stands). Otherwise a cancel notice for
    attempts up to N goes out, so a worker still generating one (a worker judged dead that
    is not, a stuck one) stops it instead of running beside attempt N+1;
 3. every copy of attempts up to N still in ``TASKS`` is deleted, so none can run later (a copy
@@ -18,14 +23,15 @@ Every write carries a message id of its attempt, so a reaper that dies halfway a
 (or a second reaper) repeats none of them: a repeated ``routed`` or message is dropped by the
 stream, and a routed attempt whose message never went out is found as a ghost and moved on.
 
-Failing deletes the copies first, then stores the failure with the attempt's outcome message
-id: a worker that still finishes that attempt cannot store a second outcome for it.
+Failing deletes the copies first, stores the task's latest ``routed`` once more (moving the
+fence: a worker still running the attempt finds it moved and the failure stored, and stores
+nothing), then the failure.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 import structlog
@@ -119,8 +125,12 @@ class Actions:
             raise SubmissionLost(f"task {task_id}: its submission is not in the event log")
         return event
 
-    async def move(self, move: Move, copies: Iterable[int]) -> None:
-        """Route the task again as ``move.attempt`` and take its older copies out of the queues."""
+    async def move(
+        self, move: Move, copies: Iterable[int], ended: Callable[[], Awaitable[bool]]
+    ) -> bool:
+        """Route the task again as ``move.attempt`` and take its older copies out of the
+        queues. False when ``ended()``, asked once the new attempt is routed, says the task
+        ended meanwhile: its new attempt is not queued then."""
         submitted = await self.submission(move.task_id)
         decision = move.decision
         routed = await publish_event(
@@ -137,6 +147,8 @@ class Actions:
             ),
             msg_id=routed_msg_id(move.task_id, move.attempt),
         )
+        if await ended():
+            return False
         notice = CancelNotice(
             task_id=move.task_id,
             reason=f"moved on as attempt {move.attempt} ({move.reason})",
@@ -158,10 +170,13 @@ class Actions:
             encoder.encode(message),
             headers={"Nats-Msg-Id": task_msg_id(move.task_id, move.attempt)},
         )
+        return True
 
     async def fail(self, fail: Fail, copies: Iterable[int]) -> None:
-        """Take the task's copies out of the queues, then store its failure."""
+        """Take the task's copies out of the queues, move its attempt's fence, then store
+        its failure."""
         await self.remove(copies)
+        await self.refence(fail.task_id, fail.attempt)
         await store_outcome(
             self.js,
             TaskFailed(
@@ -173,6 +188,19 @@ class Actions:
                 reason=fail.reason,
             ),
         )
+
+    async def refence(self, task_id: str, attempt: int) -> None:
+        """Store the task's latest ``routed`` once more, unchanged. A worker still running the
+        attempt being failed (judged dead, but only cut off) then finds its fence moved and
+        the failure stored, and neither claims nor completes it
+        (`services.runtime.outcomes.superseded`). Every reader takes a repeated ``routed`` of
+        an attempt under way or over as nothing new."""
+        subject = task_event(task_id, "routed")
+        data = await last_on(self.js, subject, leader=True)
+        if data is not None:
+            await self.js.publish(
+                subject, data, headers={"Nats-Msg-Id": f"{task_id}:routed:failed:{attempt}"}
+            )
 
     async def remove(self, copies: Iterable[int]) -> None:
         """Delete task messages by stream sequence; one already gone (acked) is fine."""

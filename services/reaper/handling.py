@@ -154,12 +154,15 @@ class FindingHandler:
             copies = copies_up_to(index, task.task_id, task.attempt)
             if isinstance(plan, Move):
                 try:
-                    await self.actions.move(plan, copies)
+                    queued = await self.actions.move(plan, copies, lambda: self._ended(task))
                 except SubmissionLost as exc:
                     plan = Fail(
                         task.task_id, max(task.attempt, 1), finding.worker, exc.code, exc.message
                     )
                 else:
+                    if not queued:
+                        bound.info("task ended as it was being moved; the new attempt not queued")
+                        return
                     self.moved += 1
                     bound.warning(
                         "task moved",
@@ -182,8 +185,9 @@ class FindingHandler:
             # Tried again once `ACT_RETRY_S` has passed, if the task still needs it then.
             bound.warning("action failed", error=repr(exc))
 
-    async def _settled(self, task: TaskTrack) -> bool:
-        """Has the task ended, or moved on, since the view last heard (events in transit)?"""
+    async def _outcome(self, task: TaskTrack, *, leader: bool) -> TaskCompleted | TaskFailed | None:
+        """An outcome of the task stored since the view last heard (events in transit), that
+        the attempt's worker may record; read from the stream's leader with ``leader``."""
         after = task.attempt + 1 if task.status == "retry" else task.attempt
 
         def accepted(sourced: Sourced) -> bool:
@@ -191,7 +195,19 @@ class FindingHandler:
             assert isinstance(event, TaskCompleted | TaskFailed)
             return refusal(event, source, routing(task), self.view.supports) is None
 
-        if await stored_outcome(self.js, task.task_id, max(after, 1), accepted) is not None:
+        return await stored_outcome(self.js, task.task_id, max(after, 1), accepted, leader=leader)
+
+    async def _ended(self, task: TaskTrack) -> bool:
+        """Did the task end (a completion, or a failure not to be moved on) before the move
+        just routed? Asked of the stream's leader, which holds every write before the move."""
+        found = await self._outcome(task, leader=True)
+        return isinstance(found, TaskCompleted) or (found is not None and not found.retryable)
+
+    async def _settled(self, task: TaskTrack) -> bool:
+        """Has the task ended, or moved on, since the view last heard (events in transit, or
+        stored by replication while this reaper was cut off from the node that stored them)?
+        The stream's leader is asked: a copy that lags may not hold an end it has."""
+        if await self._outcome(task, leader=True) is not None:
             return True
         current = await current_attempt(self.js, task.task_id)
         return current is not None and current > task.attempt

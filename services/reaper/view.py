@@ -105,8 +105,8 @@ def track(state: TaskTrack | None, event: TaskEvent) -> TaskTrack:
             )
         case TaskRouted():
             current = state or TaskTrack(task_id=event.task_id, since=event.at)
-            if event.attempt < current.attempt:
-                return current
+            if event.attempt < current.attempt or current.status == "ended":
+                return current  # a task's end stands: a move that raced it went no further
             if event.attempt == current.attempt and current.status not in ("unrouted", "queued"):
                 return current  # a repeated `routed` of an attempt under way or over
             return dataclasses.replace(

@@ -58,10 +58,13 @@ async def store_outcome(
     by: str | None = None,
     retry_s: float = OUTCOME_RETRY_S,
     first_delay_s: float = 0.2,
+    fence: tuple[str, int] | None = None,
 ) -> None:
     """Publish ``outcome`` with its attempt's message id, retrying with backoff for up to
     ``retry_s`` (its message id keeps a retry single); raise at last. ``by``: the worker
-    recording it, on its own subject (None: the router or the reaper)."""
+    recording it, on its own subject (None: the router or the reaper). ``fence``: stored only
+    while that is the subject's last sequence (`publish_event`'s ``expect_last``); a refusal
+    is raised at once (`is_wrong_last_sequence`)."""
     delay = first_delay_s
     deadline = time.monotonic() + retry_s
     while True:
@@ -71,9 +74,12 @@ async def store_outcome(
                 outcome,
                 msg_id=outcome_msg_id(outcome.task_id, outcome.attempt, by),
                 by=by,
+                expect_last=fence,
             )
             return
         except Exception as exc:
+            if fence is not None and is_wrong_last_sequence(exc):
+                raise
             if time.monotonic() + delay >= deadline:
                 raise
             log.warning(
@@ -83,27 +89,35 @@ async def store_outcome(
             delay = min(delay * 2, OUTCOME_RETRY_MAX_DELAY_S)
 
 
-async def last_stored(js: JetStreamContext, subject: str) -> tuple[str, bytes] | None:
+async def last_stored(
+    js: JetStreamContext, subject: str, *, leader: bool = False
+) -> tuple[str, bytes] | None:
     """The last message on ``subject`` (wildcards allowed) in ``EVENTS``, as (its subject, its
     data); None when there is none.
 
     A direct get names the subject in the API subject
     (``$JS.API.DIRECT.GET.EVENTS.<subject>``), so a worker's NATS user may read its tasks'
     events and nothing else; a stream made before ``allow_direct`` gets the plain request.
+    Any copy of a replicated stream may answer a direct get, one that lags included; with
+    ``leader`` the stream's leader answers (the plain request, which a worker's NATS user may
+    not make): it holds every write acknowledged before the question.
     """
     try:
-        try:
-            stored = await js.get_last_msg(EVENTS_STREAM, subject, direct=True)
-        except nats.errors.NoRespondersError:
+        if leader:
             stored = await js.get_last_msg(EVENTS_STREAM, subject)
+        else:
+            try:
+                stored = await js.get_last_msg(EVENTS_STREAM, subject, direct=True)
+            except nats.errors.NoRespondersError:
+                stored = await js.get_last_msg(EVENTS_STREAM, subject)
     except NotFoundError:
         return None
     return stored.subject or subject, stored.data or b""
 
 
-async def last_on(js: JetStreamContext, subject: str) -> bytes | None:
+async def last_on(js: JetStreamContext, subject: str, *, leader: bool = False) -> bytes | None:
     """The data of the last message on ``subject`` in ``EVENTS`` (`last_stored`)."""
-    stored = await last_stored(js, subject)
+    stored = await last_stored(js, subject, leader=leader)
     return None if stored is None else stored[1]
 
 
@@ -112,30 +126,36 @@ Sourced = tuple[TaskEvent, str | None]
 
 
 async def last_task_events(
-    js: JetStreamContext, task_id: str, kind: str, *, workers_only: bool = False
+    js: JetStreamContext,
+    task_id: str,
+    kind: str,
+    *,
+    workers_only: bool = False,
+    leader: bool = False,
 ) -> list[Sourced]:
     """The task's last ``kind`` event from the router or reaper (unless ``workers_only``) and
-    the last from any worker (`schemas.subjects.task_event`), each with its source."""
+    the last from any worker (`schemas.subjects.task_event`), each with its source; read from
+    the stream's leader with ``leader`` (`last_stored`)."""
     subjects = [workers_task_event(task_id, kind)]
     if not workers_only:
         subjects.insert(0, task_event(task_id, kind))
     found: list[Sourced] = []
     for subject in subjects:
-        stored = await last_stored(js, subject)
+        stored = await last_stored(js, subject, leader=leader)
         if stored is not None:
             found.append((task_event_decoder.decode(stored[1]), task_event_source(stored[0])))
     return found
 
 
-async def stored_ends(js: JetStreamContext, task_id: str) -> list[Sourced]:
+async def stored_ends(js: JetStreamContext, task_id: str, *, leader: bool = False) -> list[Sourced]:
     """The task's last outcome events of each kind and source (`last_task_events`): the last
     ``completed`` a worker stored, and the last ``failed`` from a worker and from the router
     or the reaper. Only workers complete a task, so nobody asks for the router's and reaper's
     ``completed`` subject, which a worker's NATS user may not read (a worker checking its
     redelivered task would wait out every such read)."""
     return [
-        *await last_task_events(js, task_id, "completed", workers_only=True),
-        *await last_task_events(js, task_id, "failed"),
+        *await last_task_events(js, task_id, "completed", workers_only=True, leader=leader),
+        *await last_task_events(js, task_id, "failed", leader=leader),
     ]
 
 
@@ -156,11 +176,16 @@ def outcome_among(
 
 
 async def stored_outcome(
-    js: JetStreamContext, task_id: str, attempt: int, accepted: Callable[[Sourced], bool]
+    js: JetStreamContext,
+    task_id: str,
+    attempt: int,
+    accepted: Callable[[Sourced], bool],
+    *,
+    leader: bool = False,
 ) -> TaskCompleted | TaskFailed | None:
     """The outcome stored for this attempt of the task or a later one that ``accepted`` takes,
     if there is one (`stored_ends`, `outcome_among`)."""
-    return outcome_among(await stored_ends(js, task_id), attempt, accepted)
+    return outcome_among(await stored_ends(js, task_id, leader=leader), attempt, accepted)
 
 
 async def current_attempt(js: JetStreamContext, task_id: str) -> int | None:
@@ -183,6 +208,50 @@ async def moved_on(js: JetStreamContext, task: TaskMessage) -> bool:
     return current is not None and current > task.attempt
 
 
+async def superseded(js: JetStreamContext, task: TaskMessage) -> bool:
+    """Was this copy's attempt moved on, or failed for good by the reaper (or the router)?
+    Asked when its fence was refused: either moves it (`services.reaper.actions`)."""
+    if await moved_on(js, task):
+        return True
+    data = await last_on(js, task_event(task.task_id, "failed"))
+    failed = task_event_decoder.decode(data) if data is not None else None
+    return isinstance(failed, TaskFailed) and failed.attempt >= task.attempt
+
+
+def attempt_fence(nc: Client, task: TaskMessage) -> tuple[str, int] | None:
+    """The fence of this attempt's own events (its ``started`` and its outcome): stored only
+    while the attempt's ``routed`` is the task's last one, so nothing of an attempt the
+    reaper moved on is stored after the move. The server checks it with the write itself, and
+    refuses a write racing a move (nats-server 2.11 and newer; None on an older server, or for
+    a message without its ``routed_seq``)."""
+    if task.routed_seq is not None and fences_by_subject(nc):
+        return (task_event(task.task_id, "routed"), task.routed_seq)
+    return None
+
+
+async def store_attempt_outcome(
+    nc: Client,
+    js: JetStreamContext,
+    task: TaskMessage,
+    outcome: TaskCompleted | TaskFailed,
+    by: str,
+) -> bool:
+    """Store a worker's outcome of the attempt ``task`` is a copy of, fenced (`attempt_fence`):
+    False when the task was moved on or failed for good meanwhile and nothing was stored (the
+    reaper routed another attempt, or failed this one, while it ran: the task has its one
+    outcome elsewhere)."""
+    fence = attempt_fence(nc, task)
+    try:
+        await store_outcome(js, outcome, by=by, fence=fence)
+    except Exception as exc:
+        if fence is None or not is_wrong_last_sequence(exc):
+            raise
+        if await superseded(js, task):
+            return False
+        await store_outcome(js, outcome, by=by)  # its ``routed`` is gone (the log was cut)
+    return True
+
+
 async def claim(nc: Client, js: JetStreamContext, started: TaskStarted, task: TaskMessage) -> bool:
     """Store this attempt's ``started``, unless the task was moved on: False then (attempt
     fencing), and nothing is stored.
@@ -195,10 +264,8 @@ async def claim(nc: Client, js: JetStreamContext, started: TaskStarted, task: Ta
     publish that fails is tried once more (a second copy after a lost acknowledgement is
     what a redelivery gives anyway).
     """
-    fence: tuple[str, int] | None = None
-    if task.routed_seq is not None and fences_by_subject(nc):
-        fence = (task_event(task.task_id, "routed"), task.routed_seq)
-    elif await moved_on(js, task):
+    fence = attempt_fence(nc, task)
+    if fence is None and await moved_on(js, task):
         return False
     failures = 0
     while True:
@@ -207,7 +274,7 @@ async def claim(nc: Client, js: JetStreamContext, started: TaskStarted, task: Ta
             return True
         except Exception as exc:
             if fence is not None and is_wrong_last_sequence(exc):
-                if await moved_on(js, task):
+                if await superseded(js, task):
                     return False
                 fence = None  # its ``routed`` is gone (the log was cut): run what is held
                 continue

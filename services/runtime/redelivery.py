@@ -26,6 +26,7 @@ from schemas.tasks import TaskMessage
 from schemas.workers import WorkerRecord, worker_record_decoder
 from services.fleet.binding import refusal, routed_to_of_queue
 from services.fleet.takeover import Lost, Run, Wait, on_redelivery
+from services.runtime.bus import is_wrong_last_sequence
 from services.runtime.errors import WorkerLost
 from services.runtime.outcomes import (
     Sourced,
@@ -46,8 +47,11 @@ async def settled(
     worker_id: str,
     runs_twice: bool,
     worker_ttl_s: float,
+    fence: tuple[str, int] | None = None,
 ) -> bool:
     """True when the message is dealt with (acknowledged, returned, failed): nothing to run.
+    ``fence``: the attempt's (`services.runtime.outcomes.attempt_fence`), for a failure this
+    stores.
 
     Only events their recorder may give count (`services.fleet.binding`): the attempt was
     routed where the message's queue says."""
@@ -80,6 +84,7 @@ async def settled(
             worker_id=worker_id,
             routed_to=routed_to,
             worker_ttl_s=worker_ttl_s,
+            fence=fence,
         )
     except Exception as exc:  # the bus is reconnecting: look again on the redelivery
         bound.warning("redelivered task not settled; returned to the queue", error=repr(exc))
@@ -98,6 +103,7 @@ async def _taken_over(
     worker_id: str,
     routed_to: str,
     worker_ttl_s: float,
+    fence: tuple[str, int] | None,
 ) -> bool:
     found = await last_started(js, task.task_id, task.attempt)
     started, starter = None, None
@@ -122,19 +128,27 @@ async def _taken_over(
             return True
         case Lost(reason=reason):
             assert started is not None
-            await store_outcome(
-                js,
-                by=worker_id,
-                outcome=TaskFailed(
-                    at=time.time(),
-                    task_id=task.task_id,
-                    attempt=task.attempt,
-                    worker=started.worker,
-                    code=WorkerLost.code,
-                    reason=reason,
-                    retryable=False,
-                ),
-            )
+            try:
+                await store_outcome(
+                    js,
+                    by=worker_id,
+                    fence=fence,
+                    outcome=TaskFailed(
+                        at=time.time(),
+                        task_id=task.task_id,
+                        attempt=task.attempt,
+                        worker=started.worker,
+                        code=WorkerLost.code,
+                        reason=reason,
+                        retryable=False,
+                    ),
+                )
+            except Exception as exc:
+                if fence is None or not is_wrong_last_sequence(exc):
+                    raise
+                bound.warning("redelivered task was moved on; dropped")
+                await msg.term()
+                return True
             await msg.ack()
             bound.warning("task lost by its worker; failed", lost_by=started.worker)
             return True

@@ -32,7 +32,13 @@ from services.runtime.attempts import (
     refused,
 )
 from services.runtime.errors import Cancelled
-from services.runtime.outcomes import KeepAlive, claim, moved_on, store_outcome
+from services.runtime.outcomes import (
+    KeepAlive,
+    attempt_fence,
+    claim,
+    moved_on,
+    store_attempt_outcome,
+)
 from services.runtime.redelivery import settled
 from services.runtime.taskkind import Attempt, Kind, LoopSettings
 from services.runtime.tracing import extract_context
@@ -106,6 +112,7 @@ class TaskRunner:
             worker_id=self.settings.worker_id,
             runs_twice=self.settings.runs_twice,
             worker_ttl_s=self.settings.worker_ttl_s,
+            fence=attempt_fence(self.nc, task),
         ):
             return False
         self.current_task = task.task_id
@@ -142,7 +149,12 @@ class TaskRunner:
                     bound.warning("stale attempt: the task was moved on; dropped")
                     await msg.term()
                     return False
-            await store_outcome(self.js, outcome, by=self.settings.worker_id)
+            if not await store_attempt_outcome(
+                self.nc, self.js, task, outcome, self.settings.worker_id
+            ):
+                bound.warning("stale attempt: the task was moved on while it ran; outcome dropped")
+                await msg.term()
+                return False
         except Exception as exc:
             # The outcome could not be stored: return the task so it is not lost.
             bound.error("task not finished; returned to the queue", error=repr(exc))

@@ -265,7 +265,9 @@ def _submitted(state: TaskState | None, event: TaskSubmitted) -> TaskState:
 
 def _routed(state: TaskState | None, event: TaskRouted) -> TaskState:
     current = state if state is not None else _placeholder(event.task_id, event.at)
-    if event.attempt < current.attempt:
+    if event.attempt < current.attempt or current.status == "done":
+        # A task's completion stands: a move that raced it went no further (the reaper
+        # queues nothing for it: services/reaper/actions.py).
         return current
     if event.attempt > current.attempt:
         current = _next_attempt(current, event.attempt)

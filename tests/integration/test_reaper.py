@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from structlog.testing import capture_logs
 
 from devtools.fakes.ollama import FakeOllama
@@ -19,6 +20,7 @@ from devtools.servers import NatsServer
 from schemas.events import (
     Durations,
     TaskCompleted,
+    TaskEvent,
     TaskFailed,
     TaskRouted,
     TaskStarted,
@@ -28,9 +30,15 @@ from schemas.events import (
 )
 from schemas.models import ModelFacts
 from schemas.tasks import TaskMessage
+from schemas.workers import WorkerRecord
 from services.backends import Embedding, Generation
+from services.reaper.actions import Actions
+from services.reaper.decisions import Fail
+from services.reaper.detectors import TaskFinding
+from services.reaper.handling import FindingHandler
+from services.reaper.view import ReaperView, TaskTrack
 from services.runtime.bus import ensure_streams, publish_event
-from services.runtime.settings import WorkerSettings
+from services.runtime.settings import ReaperSettings, WorkerSettings
 from services.worker.service import serve as serve_worker
 from tests.harness import (
     COORDINATOR,
@@ -267,7 +275,8 @@ async def test_a_web_search_task_is_never_re_dispatched_it_fails_with_the_reason
             "queued on tasks.web"
         )
         routed = events.of(reply["task_id"], "routed")
-        assert [e.attempt for e in routed if isinstance(e, TaskRouted)] == [1]
+        # Attempt 1 only: its `routed` is stored once more as the failure moves its fence.
+        assert {e.attempt for e in routed if isinstance(e, TaskRouted)} == {1}
         assert events.of(reply["task_id"], "started") == []
 
 
@@ -593,3 +602,159 @@ async def test_the_stats_projection_takes_the_reapers_and_sleepers_worker_events
         assert await store.last_seq() == 3
     finally:
         await store.close()
+
+
+async def test_an_outcome_of_an_attempt_moved_on_while_it_ran_is_refused(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """The reaper moved the task while its worker generated (the cancel notice never reached
+    the worker: it was cut off, or judged dead while its outcome waited out an election).
+    The worker's completion of the old attempt is refused by the stream: the task ends once,
+    by the attempt that stands."""
+    js = nc.jetstream()
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-a")
+    await workers_live(nc, 1)
+    ollama.delay_s = 1.5
+    now = time.time()
+    routed_seq = await route_to_cpu_a(js, "t-3", now)
+    async with TaskEvents(nc) as events:
+        await queue_fenced(js, "t-3", now, routed_seq)
+        await events.first("started", "t-3")
+        # The move, as the reaper stores it, without its cancel notice.
+        await publish_event(
+            js, TaskRouted(at=now, task_id="t-3", attempt=2, worker="cpu-b", queue="q")
+        )
+
+        await eventually(lambda: generation_over(ollama), timeout_s=10)
+
+        # Dropped, not returned: nothing is left on the queue, and no outcome was stored.
+        async def dropped() -> bool:
+            return await queued_copies(nc, "tasks.cpu.cpu-a") == []
+
+        await eventually(dropped, timeout_s=5, interval_s=0.1)
+        await asyncio.sleep(0.5)  # an outcome stored would have come back by now
+        assert [kind_of(e) for e in events.of("t-3")] == ["started", "routed"]
+
+
+async def test_a_move_that_races_the_tasks_completion_queues_nothing(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper judged the task's worker dead from a view that lagged, and its check before
+    acting read a copy of the log that lagged too: the worker's completion was stored just
+    before the move. Once the move is routed, the stream's leader is asked, finds the
+    completion, and the new attempt is never queued: the task ends once."""
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+    now = time.time()
+    task_id = "t-raced"
+    events: list[tuple[TaskEvent, str | None]] = [
+        (TaskSubmitted(at=now, task_id=task_id, model=MODEL, prompt="1+1", timeout_s=60), None),
+        (
+            TaskRouted(at=now, task_id=task_id, attempt=1, worker="cpu-a", queue="tasks.cpu.cpu-a"),
+            None,
+        ),
+        (TaskStarted(at=now, task_id=task_id, attempt=1, worker="cpu-a", host="h"), "cpu-a"),
+    ]
+    view = ReaperView()
+    for event, by in events:
+        await publish_event(js, event, by=by)
+        view.apply(event, by)  # the view heard this much, and not the completion
+    done = TaskCompleted(
+        at=now,
+        task_id=task_id,
+        attempt=1,
+        worker="cpu-a",
+        model=MODEL,
+        response="2",
+        durations=Durations(total_ms=1),
+    )
+    await publish_event(js, done, by="cpu-a")
+    view.put_worker(_live_record("cpu-b"))
+    handler = FindingHandler(nc, view, ReaperSettings())
+
+    async def lagging_copy(task: TaskTrack) -> bool:
+        return False  # the direct read was answered by a copy that had not the completion yet
+
+    monkeypatch.setattr(handler, "_settled", lagging_copy)
+    with capture_logs() as logs:
+        finding = TaskFinding(task_id, 1, "dead_worker", "cpu-a", "judged dead")
+        await handler.act([finding], now)
+
+    assert await queued_copies(nc, "tasks.cpu.cpu-b") == []
+    assert handler.moved == 0
+    assert any(e["event"].startswith("task ended as it was being moved") for e in logs)
+    # The view then hears the log in order: the completion, then the routing that raced it,
+    # which changes nothing.
+    view.apply(done, "cpu-a")
+    view.apply(TaskRouted(at=now, task_id=task_id, attempt=2, worker="cpu-b", queue="q"))
+    assert view.tasks[task_id].status == "ended"
+
+
+def _live_record(worker_id: str) -> WorkerRecord:
+    now = time.time()
+    return WorkerRecord(
+        worker_id=worker_id,
+        host=f"host-{worker_id}",
+        instance_id=f"i-{worker_id}",
+        pid=1,
+        version="t",
+        supports=["cpu_inference"],
+        models=[MODEL],
+        started_at=now - 100,
+        heartbeat_at=now,
+    )
+
+
+async def test_an_attempt_failed_by_the_reaper_while_it_ran_stores_no_outcome(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """The reaper judged the worker dead (it was only cut off) and, with no other worker,
+    failed the task. The worker's completion that follows is refused: the client told the
+    task failed is never contradicted by the log."""
+    js = nc.jetstream()
+    runner.router(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-a")
+    await workers_live(nc, 1)
+    ollama.delay_s = 1.5
+    now = time.time()
+    routed_seq = await route_to_cpu_a(js, "t-4", now)
+    async with TaskEvents(nc) as events:
+        await queue_fenced(js, "t-4", now, routed_seq)
+        await events.first("started", "t-4")
+        await Actions(nc, js).fail(
+            Fail("t-4", 1, "cpu-a", "no_alternative_worker", "judged dead"), copies=[]
+        )
+
+        await eventually(lambda: generation_over(ollama), timeout_s=10)
+        await asyncio.sleep(1.0)  # an outcome stored would have come back by now
+        assert [kind_of(e) for e in events.of("t-4")] == ["started", "routed", "failed"]
+        [failed] = events.of("t-4", "failed")
+        assert isinstance(failed, TaskFailed) and failed.code == "no_alternative_worker"
+
+
+async def route_to_cpu_a(js: JetStreamContext, task_id: str, now: float) -> int:
+    """Attempt 1 of ``task_id`` routed to cpu-a; its ``routed``'s sequence (the fence)."""
+    ack = await publish_event(
+        js, TaskRouted(at=now, task_id=task_id, attempt=1, worker="cpu-a", queue="q")
+    )
+    return int(ack.seq)
+
+
+async def queue_fenced(js: JetStreamContext, task_id: str, now: float, routed_seq: int) -> None:
+    """Attempt 1 of ``task_id`` queued on cpu-a, its message carrying the fence."""
+    message = TaskMessage(
+        task_id=task_id,
+        attempt=1,
+        model=MODEL,
+        prompt="1+1",
+        timeout_s=10,
+        submitted_at=now,
+        routed_seq=routed_seq,
+    )
+    await js.publish("tasks.cpu.cpu-a", msgspec.json.encode(message))
+
+
+async def generation_over(ollama: FakeOllama) -> bool:
+    stats = ollama.stats()
+    return stats["generate_calls"] >= 1 and stats["in_flight"] == 0

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import MutableMapping
+from contextlib import suppress
+from typing import Any
 
+import msgspec
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.kv import KeyValue
+from structlog.testing import capture_logs
 
+from devtools.servers import NatsServer
 from schemas.events import Durations, TaskCompleted, TaskFailed, TaskStarted
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM, WORKERS_BUCKET
+from services.fleet.settling import SettlingTracker
 from services.runtime.bus import ensure_bucket, ensure_streams, publish_event
 from services.runtime.outcomes import (
     KeepAlive,
@@ -17,6 +26,10 @@ from services.runtime.outcomes import (
     store_outcome,
     stored_outcome,
 )
+from services.runtime.stall import look_once
+from services.runtime.watch import READ_WITHIN_S, BucketCursor, follow_bucket, reconnects
+from tests.harness import eventually
+from tests.integration.test_lease import record
 
 
 def completed(attempt: int = 1, response: str = "2") -> TaskCompleted:
@@ -92,3 +105,94 @@ async def test_a_shorter_registry_ttl_is_applied_to_an_existing_bucket(nc: Clien
     await ensure_bucket(js, WORKERS_BUCKET, ttl_s=2)  # was refused: duplicate window > max age
     info = await js.stream_info(f"KV_{WORKERS_BUCKET}")
     assert info.config.max_age == 2
+
+
+async def test_a_watch_started_after_the_newest_entries_expired_is_not_behind(nc: Client) -> None:
+    """A worker's last heartbeats can expire before a watch (started again after a reconnect
+    or a lost consumer) reads them: nothing is missing, so the stall look must not start the
+    watch again (it did, every look, for as long as the stale worker stayed in a view)."""
+    kv = await ensure_bucket(nc.jetstream(), WORKERS_BUCKET, ttl_s=1.0)
+    stale = record("gone")
+    await kv.put("w1", msgspec.json.encode(stale))
+    await kv.put("w1", msgspec.json.encode(stale))
+
+    async def expired() -> bool:
+        return (await kv.status()).stream_info.state.messages == 0
+
+    await eventually(expired, timeout_s=10)
+    cursor = BucketCursor(nc)
+    watch = await _watch_read(nc, kv, cursor)
+    try:
+        assert cursor.revision == 2
+        settling = SettlingTracker(generation=0, now=time.time())
+        with capture_logs() as logs:
+            stalled = await look_once(nc.jetstream(), settling, lambda: [stale], cursor, 1.0)
+        assert not stalled
+        assert not cursor.restart.is_set()
+        assert logs == []
+    finally:
+        await _silenced(watch)
+
+
+async def test_a_watch_is_judged_behind_only_once_it_has_read_on_the_current_connection(
+    nats_server: NatsServer, nc: Client
+) -> None:
+    """Right after a reconnect the watch has not caught up yet (it is about to read the bucket
+    again, as after any reconnect): taken for a watch that fell behind, its view was kept
+    settling for another failover time, and a router answered ``unavailable`` that long. A
+    watch that has read on the current connection and then falls silent is behind."""
+    js = nc.jetstream()
+    kv = await ensure_bucket(js, WORKERS_BUCKET, ttl_s=30)
+    stale = record("gone")  # a worker that went quiet: the view looks at its bucket
+    await kv.put("w1", msgspec.json.encode(stale))
+    cursor = BucketCursor(nc)
+
+    async def look() -> tuple[bool, list[MutableMapping[str, Any]]]:
+        settling = SettlingTracker(generation=reconnects(nc), now=time.time())
+        with capture_logs() as logs:
+            await look_once(js, settling, lambda: [stale], cursor, 30.0)
+        restarted = cursor.restart.is_set()
+        cursor.restart.clear()
+        return restarted, logs
+
+    # Read on the first connection; then the bus restarts, and a heartbeat is stored before
+    # the watch has started again.
+    await _silenced(await _watch_read(nc, kv, cursor))
+    before = reconnects(nc)
+    await asyncio.to_thread(nats_server.stop)
+    await asyncio.to_thread(nats_server.start)
+
+    async def reconnected() -> bool:
+        return reconnects(nc) > before and nc.is_connected
+
+    await eventually(reconnected, timeout_s=15)
+    await kv.put("w1", msgspec.json.encode(stale))
+    assert await look() == (False, [])
+    # (Unless a watch started on it has been reading for too long: its consumer was lost.)
+    cursor.watching = (reconnects(nc), False, time.monotonic() - READ_WITHIN_S)
+    assert (await look())[0]
+
+    # Read again on this connection, and silent since: a new heartbeat is one it missed.
+    await _silenced(await _watch_read(nc, kv, cursor))
+    assert await look() == (False, [])
+    await kv.put("w1", msgspec.json.encode(stale))
+    restarted, logs = await look()
+    assert restarted
+    assert [entry["event"] for entry in logs] == [
+        "the worker registry's watch fell behind (its consumer was lost?); reading the bucket again"
+    ]
+
+
+async def _watch_read(nc: Client, kv: KeyValue, cursor: BucketCursor) -> asyncio.Task[None]:
+    """A watch of ``kv`` with ``cursor``, once it has fed the bucket's current values."""
+    ready = asyncio.Event()
+    watch = asyncio.create_task(follow_bucket(nc, kv, lambda _: None, ready, cursor=cursor))
+    await asyncio.wait_for(ready.wait(), 10)
+    return watch
+
+
+async def _silenced(watch: asyncio.Task[None]) -> None:
+    """The watch stopped, as one whose consumer was lost: it feeds nothing more."""
+    watch.cancel()
+    with suppress(asyncio.CancelledError):
+        await watch

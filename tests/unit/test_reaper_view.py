@@ -207,3 +207,13 @@ def test_a_workers_event_for_an_attempt_routed_elsewhere_changes_nothing() -> No
     assert view.tasks[T].status == "running"
     assert view.apply(completed(1, worker="a"), "a") is None
     assert view.tasks[T].status == "ended"
+
+
+def test_a_move_that_raced_the_tasks_end_does_not_reopen_it() -> None:
+    # The reaper routed attempt 2 just as attempt 1 completed, and queued nothing for it.
+    assert fold(submitted(), routed(1), started(1), completed(1), routed(2, "b")).status == (
+        "ended"
+    )
+    assert fold(submitted(), routed(1), failed(1, retryable=False), routed(2, "b")).status == (
+        "ended"
+    )

@@ -377,3 +377,9 @@ def test_an_embedding_task_has_figures_of_its_own_domain() -> None:
     )
     view = to_view(after)
     assert (view.task_type, view.status, view.response) == ("embedding", "done", "")
+
+
+def test_a_move_that_raced_the_completion_does_not_reopen_the_task() -> None:
+    done = replay(submitted(), routed(1, "mac"), started(1, "mac"), completed(1, "mac"))
+
+    assert evolve(done, routed(2, "pc")) is done
