@@ -184,6 +184,15 @@ class _Task:
     """(attempt, code or "done", retryable, worker)"""
     completed: int = 0
 
+    @property
+    def ended(self) -> bool:
+        """Completed, or failed for good (not a worker's retryable failure, which the reaper
+        moves on)."""
+        return any(
+            code == "done" or not (retryable and worker is not None)
+            for _, code, retryable, worker in self.outcomes
+        )
+
 
 def history_entry(event: TaskEvent) -> str:
     """One event of a task's history, for a report: ``kind:attempt@worker HH:MM:SS.mmm``."""
@@ -212,7 +221,8 @@ class EventLog:
             case TaskSubmitted():
                 task.submitted = True
             case TaskRouted():
-                if event.attempt >= task.routed:
+                # A task's first end stands: a move that raced it went no further.
+                if event.attempt >= task.routed and not task.ended:
                     task.routed, task.queue = event.attempt, event.queue
             case TaskStarted():
                 self.starts.setdefault(event.worker, []).append(

@@ -196,6 +196,24 @@ class Processes:
                 proc.communicate()
 
 
+async def logged(proc: subprocess.Popen[str], text: str, timeout_s: float = 20.0) -> str:
+    """Read the process's log (stdout) up to the first line that holds ``text``; what was read."""
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    lines: list[str] = []
+
+    async def read() -> str:
+        while True:
+            line = await asyncio.to_thread(stdout.readline)
+            if not line:
+                raise AssertionError(f"the process ended before logging {text!r}: {lines}")
+            lines.append(line)
+            if text in line:
+                return "".join(lines)
+
+    return await asyncio.wait_for(read(), timeout=timeout_s)
+
+
 def run_cli(
     *args: str, env: dict[str, str], timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:

@@ -22,6 +22,7 @@ from tests.harness import (
     ServiceRunner,
     clean_env,
     eventually,
+    logged,
     request,
     workers_live,
 )
@@ -31,22 +32,6 @@ from tests.reaper_harness import MODEL, TaskEvents
 async def route(nc: Client, **fields: Any) -> dict[str, Any]:
     body, _ = await request(nc, "coordinator.route", {"prompt": "1+1", "model": MODEL, **fields})
     return body
-
-
-async def logged(proc: subprocess.Popen[str], text: str, timeout_s: float = 20.0) -> None:
-    """Read the process's log (stdout) until a line holds ``text``."""
-    assert proc.stdout is not None
-    stdout = proc.stdout
-
-    async def read() -> None:
-        while True:
-            line = await asyncio.to_thread(stdout.readline)
-            if not line:
-                raise AssertionError(f"the process ended before logging {text!r}")
-            if text in line:
-                return
-
-    await asyncio.wait_for(read(), timeout=timeout_s)
 
 
 def kill(proc: subprocess.Popen[str]) -> None:

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
+from services.runtime.bus import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S, connect
 from tests.harness import (
     COORDINATOR,
     Processes,
@@ -33,6 +34,7 @@ from tests.harness import (
     clean_env,
     eventually,
     last_task_event,
+    logged,
     request,
     workers_live,
 )
@@ -187,12 +189,12 @@ async def test_a_worker_cut_off_mid_task_stops_before_its_task_runs_elsewhere(
         moves = [n for n in notices if n["task_id"] == task_id]
         assert moves and moves[0]["up_to_attempt"] == 1, notices
 
-    # Its log says why it stopped, in terms an operator can act on.
-    worker_a.send_signal(signal.SIGTERM)
-    log, _ = await asyncio.to_thread(worker_a.communicate, timeout=20)
+    # Its log says why it stopped, in terms an operator can act on, and that it is back. (Read
+    # while it runs: it says it is back a moment after the heartbeat the test saw was stored.)
+    log = await logged(worker_a, "heartbeats stored again; pulling tasks again")
     assert "out of touch with NATS" in log
     assert "Check the network between this host and the NATS server" in log
-    assert "heartbeats stored again; pulling tasks again" in log
+    worker_a.send_signal(signal.SIGTERM)
 
 
 async def _a_live(client: Client) -> bool:
@@ -202,3 +204,50 @@ async def _a_live(client: Client) -> bool:
         w["worker_id"] == "gpu-a" and time.time() - w["last_heartbeat"] < 1.0
         for w in body["workers"]
     )
+
+
+async def test_a_client_leaves_a_server_cut_off_without_a_reset_for_another_one(
+    bus: NatsServer, host: NetnsHost
+) -> None:
+    """A server whose link is cut sends no reset: only the client's own pings tell it the
+    connection is dead. It moves to the next server of ``NATS_URL`` within a few pings, not
+    the client library's default of minutes."""
+    with tempfile.TemporaryDirectory(prefix="coord-nats-far-") as store:
+        far = NatsServer(store, listen=host.ip, wrap=host.command()).start()
+        try:
+            nc = await _connected_beside(f"{far.url},{bus.url}", host.ip)
+            try:
+                host.cut()
+                await eventually(
+                    lambda: _connected_to(nc, "127.0.0.1"),
+                    timeout_s=4 * PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1),
+                    interval_s=0.2,
+                )
+                # It works there: a message goes round through the near server.
+                got: asyncio.Queue[bytes] = asyncio.Queue()
+
+                async def on_msg(msg: Msg) -> None:
+                    await got.put(msg.data)
+
+                await nc.subscribe("test.cut.echo", cb=on_msg)
+                await nc.publish("test.cut.echo", b"here")
+                assert await asyncio.wait_for(got.get(), 5) == b"here"
+            finally:
+                host.mend()
+                await nc.close()
+        finally:
+            far.stop()
+
+
+async def _connected_beside(url: str, address: str) -> Client:
+    """A client given ``url`` that picked the server at ``address`` (it picks at random)."""
+    for _ in range(40):
+        nc = await connect(url, "test-cut-client")
+        if await _connected_to(nc, address):
+            return nc
+        await nc.close()
+    raise AssertionError(f"the client never connected to {address}")
+
+
+async def _connected_to(nc: Client, address: str) -> bool:
+    return nc.is_connected and nc.connected_url is not None and nc.connected_url.hostname == address
