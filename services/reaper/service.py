@@ -42,7 +42,7 @@ from services.reaper.detectors import Snapshot, Thresholds, detect
 from services.reaper.feeds import Feeds
 from services.reaper.handling import FindingHandler
 from services.reaper.view import ReaperView
-from services.runtime.bus import connect, ensure_bucket, ensure_streams
+from services.runtime.bus import connect, ensure_bucket, ensure_streams, flush_written
 from services.runtime.endpoints import add_endpoint
 from services.runtime.leadership import Leadership
 from services.runtime.lifecycle import TaskSet
@@ -95,6 +95,7 @@ class Reaper:
             description="moves work off dead, stuck or silent workers",
         )
         await add_endpoint(self._service, "status", REAPER_STATUS, self.handle_status, self.tasks)
+        await flush_written(self.nc)  # in place for every client before anyone is told
         log.info(
             "reaper ready",
             open_tasks=sum(1 for t in self.view.tasks.values() if t.open),

@@ -68,7 +68,7 @@ from services.router.view import FleetView
 from services.router.waiting import Waiter
 from services.router.waking import Waker
 from services.runtime.aliases import AliasFollower
-from services.runtime.bus import connect, ensure_bucket, ensure_streams
+from services.runtime.bus import connect, ensure_bucket, ensure_streams, flush_written
 from services.runtime.endpoints import add_endpoint, reply_subject
 from services.runtime.errors import (
     NoWorker,
@@ -188,6 +188,7 @@ class Router:
         await add_endpoint(self._service, "route", ROUTE, self.handle_route, self.tasks)
         await add_endpoint(self._service, "workers", WORKERS, self.handle_workers, self.tasks)
         await add_endpoint(self._service, "cancel", CANCEL, self.canceller.handle, self.tasks)
+        await flush_written(self.nc)  # in place for every client before anyone is told
         log.info("router ready", subjects=[ROUTE, WORKERS, CANCEL])
 
     async def stop(self) -> None:

@@ -400,6 +400,19 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, *, ttl_s: float | Non
     return await js.key_value(bucket)
 
 
+async def flush_written(nc: Client, timeout_s: float = 2.0) -> None:
+    """Return once the server has processed everything this connection wrote so far (its
+    subscriptions are in place for every other connection, its publishes delivered).
+
+    nats.py's ``flush()`` writes its PING straight to the socket, ahead of the commands still
+    queued for its flusher task, so the PONG can come back before a subscription made just
+    before it reaches the server (another connection's request then gets "no responders"). By
+    the time that first PONG is read the flusher has written the queue, so a second PING,
+    written after it, is answered only once the queue has been processed."""
+    await nc.flush(timeout=int(timeout_s) or 1)
+    await nc.flush(timeout=int(timeout_s) or 1)
+
+
 def fences_by_subject(nc: Client) -> bool:
     """Does the server take ``Nats-Expected-Last-Subject-Sequence-Subject`` (nats-server 2.11
     and newer)? An older one ignores that header and would compare the wrong subject."""

@@ -50,7 +50,7 @@ from schemas.subjects import CANCEL_NOTICES
 from schemas.tasks import TaskMessage
 from schemas.workers import WorkerRecord
 from services import __version__
-from services.runtime.bus import ensure_streams, publish_event
+from services.runtime.bus import ensure_streams, flush_written, publish_event
 from services.runtime.consumers import Queue, bind
 from services.runtime.errors import LeaseLost
 from services.runtime.lease import Lease, deregister
@@ -165,6 +165,7 @@ class TaskLoop:
                 version=__version__,
             ),
         )
+        await flush_written(self.nc)  # the cancel notices' subscription is in place
         log.info(
             "worker ready",
             worker_id=s.worker_id,

@@ -40,7 +40,7 @@ from schemas.subjects import (
     STATS_ROLE,
 )
 from services import __version__
-from services.runtime.bus import connect, ensure_bucket, ensure_streams
+from services.runtime.bus import connect, ensure_bucket, ensure_streams, flush_written
 from services.runtime.endpoints import Handler, add_endpoint, serve_subject
 from services.runtime.errors import Unavailable
 from services.runtime.leadership import Leadership
@@ -114,6 +114,7 @@ class StatsService:
         for name, subject, handler in routes:
             answer = self._passed_on(name, handler) if name in PROJECTING_ONLY else handler
             await add_endpoint(self._service, name, subject, answer, self.tasks)
+        await flush_written(self.nc)  # in place for every client before anyone is told
         log.info("stats ready", consumer=STATS_CONSUMER, subjects=[s for _, s, _ in routes])
         if await self.store.predates_outcomes():
             log.warning(

@@ -36,6 +36,7 @@ from schemas.subjects import (
 )
 from schemas.workers import worker_record_decoder
 from services.cli.permissions import EXAMPLE_WEB_WORKERS
+from services.runtime.bus import flush_written
 from services.runtime.request import stream_call
 from tests.harness import ServiceRunner, eventually, request, workers_live
 from tests.integration.test_gateway import start_gateway
@@ -77,7 +78,7 @@ async def test_nobody_reads_another_users_replies(secured: NatsServer, admin: Cl
             await msg.respond(b'{"workers": []}')
 
         await admin.subscribe("coordinator.workers", cb=answer)
-        await admin.flush()
+        await flush_written(admin)
         body, _ = await request(nc, "coordinator.workers", {}, timeout_s=2.0)
         assert body == {"workers": []}
     finally:
