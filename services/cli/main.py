@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -142,8 +143,9 @@ def cmd_service(args: argparse.Namespace) -> int:
 
         settings = RouterSettings.from_env()
     elif args.service == "worker":
-        from services.worker.service import run as runner
+        from services.worker.service import run as run_worker
 
+        runner = functools.partial(run_worker, own_process=True)
         settings = WorkerSettings.from_env()
     elif args.service == "web-search":
         from services.web_search.service import run as runner

@@ -12,8 +12,9 @@ Each detector has its threshold (`Thresholds`, from ``ReaperSettings``):
 - **ghost queue** (``ghost_pending``): queued for ``GHOST_AFTER_S`` on a queue where nothing
   has been delivered or acknowledged for as long while its worker is live and idle (registered
   but not pulling, pulling something else, or its one task in flight handed to a process that
-  is gone); on a pool queue no live worker can pull; or whose message is missing; and a task
-  submitted that long ago that was never routed;
+  is gone, for longer than the consumer's ack wait plus ``GHOST_AFTER_S``: the server hands
+  such a task out again after its ack wait); on a pool queue no live worker can pull; or whose
+  message is missing; and a task submitted that long ago that was never routed;
 - **retryable failure** (the failure's own code, e.g. ``backend_unavailable``): the worker that
   ran the attempt reported a failure another worker may not have;
 - **duplicate consumer** (``duplicate_consumer``): more than one pull waiting on a worker's
@@ -238,6 +239,11 @@ def ghost_pending(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFindin
     if not history.exists:
         why = f"its consumer {queue_consumer(task.queue)} does not exist"
     elif history.num_ack_pending > 0:
+        if idle_s <= history.ack_wait_s + th.ghost_after_s:
+            # The server hands a message in flight that nobody settles (its acknowledgement,
+            # or its delivery, lost in a reconnect) out again after the ack wait, and the live
+            # worker settles it then: no ghost before that.
+            return None
         why = "the task in flight on its consumer is held by no process that works on it"
     elif missing:
         why = "its message is missing from the queue"

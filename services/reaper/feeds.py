@@ -285,4 +285,5 @@ class Feeds:
             num_waiting=info.num_waiting or 0,
             delivered_seq=info.delivered.stream_seq if info.delivered else 0,
             ack_floor_seq=info.ack_floor.stream_seq if info.ack_floor else 0,
+            ack_wait_s=info.config.ack_wait or 30.0,
         )

@@ -190,6 +190,9 @@ class ConsumerSample:
     num_waiting: int
     delivered_seq: int
     ack_floor_seq: int
+    ack_wait_s: float = 30.0
+    """The consumer's ack wait: a message in flight that nobody settles is handed out again
+    after it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +214,8 @@ class ConsumerHistory:
     """Looks in a row that saw more than one pull waiting while no task was in flight. (One
     process pulls one request at a time; while the consumer is at its one task in flight,
     requests can pile up until the server expires them, so those looks do not count.)"""
+    ack_wait_s: float = 30.0
+    """The consumer's ack wait (`ConsumerSample.ack_wait_s`)."""
 
 
 def observe(
@@ -244,6 +249,7 @@ def observe(
         ack_floor_seq=sample.ack_floor_seq,
         last_progress=last_progress,
         crowded=crowded,
+        ack_wait_s=sample.ack_wait_s,
     )
 
 

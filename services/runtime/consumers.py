@@ -33,6 +33,12 @@ class Queue:
     # Its tasks may be for models this worker lacks (a shared queue): looked at before running.
     checked: bool = False
 
+    @property
+    def one_at_a_time(self) -> bool:
+        """Does the server hand out one message at a time on it (a worker's own queue)? Then a
+        message in flight that the worker does not hold was lost on its way."""
+        return self.max_ack_pending == 1
+
 
 # The pools several workers share. `coordinator setup` makes their consumers, so a worker's
 # NATS user needs no right to create (or reconfigure) them; without setup, the first worker

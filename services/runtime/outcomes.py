@@ -235,14 +235,16 @@ async def store_attempt_outcome(
     task: TaskMessage,
     outcome: TaskCompleted | TaskFailed,
     by: str,
+    *,
+    retry_s: float = OUTCOME_RETRY_S,
 ) -> bool:
-    """Store a worker's outcome of the attempt ``task`` is a copy of, fenced (`attempt_fence`):
-    False when the task was moved on or failed for good meanwhile and nothing was stored (the
-    reaper routed another attempt, or failed this one, while it ran: the task has its one
-    outcome elsewhere)."""
+    """Store a worker's outcome of the attempt ``task`` is a copy of, fenced (`attempt_fence`),
+    trying for up to ``retry_s``: False when the task was moved on or failed for good
+    meanwhile and nothing was stored (the reaper routed another attempt, or failed this one,
+    while it ran: the task has its one outcome elsewhere)."""
     fence = attempt_fence(nc, task)
     try:
-        await store_outcome(js, outcome, by=by, fence=fence)
+        await store_outcome(js, outcome, by=by, fence=fence, retry_s=retry_s)
     except Exception as exc:
         if fence is None or not is_wrong_last_sequence(exc):
             raise

@@ -59,3 +59,9 @@ async def pull_one(source: JetStreamContext.PullSubscription, wait_s: float) -> 
                 raise nats.js.errors.APIError.from_msg(msg)
     except TimeoutError:
         return None
+
+
+def holds_delivery(source: JetStreamContext.PullSubscription) -> bool:
+    """Has a message (an answer to an earlier pull that came late) arrived and not been taken?"""
+    queue = source._sub._pending_queue
+    return any(not JetStreamContext.is_status_msg(msg) for msg in list(queue._queue))  # type: ignore[attr-defined]

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from contextlib import suppress
 from typing import assert_never
 
 import msgspec
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
@@ -26,6 +26,7 @@ from schemas.tasks import TaskMessage
 from schemas.workers import WorkerRecord, worker_record_decoder
 from services.fleet.binding import refusal, routed_to_of_queue
 from services.fleet.takeover import Lost, Run, Wait, on_redelivery
+from services.runtime.acks import ACK, NAK, TERM, settle
 from services.runtime.bus import is_wrong_last_sequence
 from services.runtime.errors import WorkerLost
 from services.runtime.outcomes import (
@@ -38,12 +39,13 @@ from services.runtime.outcomes import (
 
 
 async def settled(
+    nc: Client,
     js: JetStreamContext,
     task: TaskMessage,
     msg: Msg,
+    *,
     bound: FilteringBoundLogger,
     registry: KeyValue,
-    *,
     worker_id: str,
     runs_twice: bool,
     worker_ttl_s: float,
@@ -71,11 +73,12 @@ async def settled(
 
         if outcome_among(ends, task.attempt, accepted) is not None:
             bound.info("redelivered task had already ended; acknowledging")
-            await msg.ack()
+            await settle(nc, msg, ACK)
             return True
         if runs_twice:
             return False
         return await _taken_over(
+            nc,
             js,
             registry,
             task,
@@ -88,12 +91,12 @@ async def settled(
         )
     except Exception as exc:  # the bus is reconnecting: look again on the redelivery
         bound.warning("redelivered task not settled; returned to the queue", error=repr(exc))
-        with suppress(Exception):
-            await msg.nak(delay=1)
+        await settle(nc, msg, NAK, delay_s=1)
         return True
 
 
 async def _taken_over(
+    nc: Client,
     js: JetStreamContext,
     registry: KeyValue,
     task: TaskMessage,
@@ -124,7 +127,7 @@ async def _taken_over(
             return False
         case Wait(delay_s=delay_s):
             bound.info("redelivered task is still running elsewhere", recheck_s=delay_s)
-            await msg.nak(delay=delay_s)
+            await settle(nc, msg, NAK, delay_s=delay_s)
             return True
         case Lost(reason=reason):
             assert started is not None
@@ -147,9 +150,9 @@ async def _taken_over(
                 if fence is None or not is_wrong_last_sequence(exc):
                     raise
                 bound.warning("redelivered task was moved on; dropped")
-                await msg.term()
+                await settle(nc, msg, TERM)
                 return True
-            await msg.ack()
+            await settle(nc, msg, ACK)
             bound.warning("task lost by its worker; failed", lost_by=started.worker)
             return True
         case _:

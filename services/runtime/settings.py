@@ -225,6 +225,12 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
     ack_wait_s: float = DEFAULT_ACK_WAIT_S
     backend_connect_timeout_s: float = 5.0
     stop_grace_s: float = 30.0
+    worker_watchdog_s: float | None = None
+    """A worker run as its own process (``coordinator worker``) is killed by its watchdog
+    process when it has not run for this long while a task runs (stopped, stalled), so that
+    its backend stops generating before the reaper may move the task, after ``WORKER_TTL_S``
+    (`services.runtime.watchdog`). Unset: ``WORKER_TTL_S`` less ``HEARTBEAT_INTERVAL_S``;
+    0: no watchdog."""
     # Idle shutdown, for machines woken by Wake-on-LAN: off unless IDLE_SHUTDOWN_SEC is set.
     idle_shutdown_sec: float | None = None
     min_uptime_sec: float = 0.0
@@ -253,6 +259,20 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
             raise ConfigError("HEALTH_IDLE_PROBE_S must not be negative (0: never)")
         if self.worker_memory_gb is not None and not 0 < self.worker_memory_gb < math.inf:
             raise ConfigError("WORKER_MEMORY_GB must be a positive number of GB")
+        watchdog_s = self.worker_watchdog_s
+        if watchdog_s is not None and not (watchdog_s == 0 or 0 < watchdog_s < self.worker_ttl_s):
+            raise ConfigError(
+                f"WORKER_WATCHDOG_S must be 0 (no watchdog) or shorter than WORKER_TTL_S "
+                f"({self.worker_ttl_s:g} s): a stalled worker must be stopped before the "
+                "reaper may move its task"
+            )
+
+    @property
+    def watchdog_s(self) -> float:
+        """The watchdog's limit (`worker_watchdog_s`); 0: none."""
+        if self.worker_watchdog_s is not None:
+            return self.worker_watchdog_s
+        return self.worker_ttl_s - self.heartbeat_interval_s
 
     @property
     def memory_bytes(self) -> int | None:

@@ -38,6 +38,9 @@ class LoopSettings:
     runs_twice: bool = True
     sleep: SleepPolicy | None = None
     wol_mac: str | None = None
+    # The watchdog's limit (`services.runtime.watchdog`), for a worker that is its own
+    # process; None: no watchdog.
+    watchdog_s: float | None = None
 
 
 class WorkerIdentity(Protocol):
@@ -64,6 +67,7 @@ def loop_settings(
     runs_twice: bool = True,
     sleep: SleepPolicy | None = None,
     wol_mac: str | None = None,
+    watchdog_s: float | None = None,
 ) -> LoopSettings:
     """The loop's settings: the shared ones from the kind's settings, and the kind's policy."""
     return LoopSettings(
@@ -77,6 +81,7 @@ def loop_settings(
         runs_twice=runs_twice,
         sleep=sleep,
         wol_mac=wol_mac,
+        watchdog_s=watchdog_s,
     )
 
 

@@ -18,8 +18,15 @@ A kind (inference, web search) says what it serves and what it does with a claim
   (``Attempt.cut``) and given ``wrap_up_s`` to record what it has; whatever still runs goes
   back to its queue;
 - out of touch with the bus (no heartbeat stored for nearly a TTL: a partition, an outage):
-  the running task is stopped and held, nothing is pulled until the lease is renewed, and the
-  held task runs again then unless it was moved on meanwhile (`services.runtime.touch`);
+  the running task's work is stopped and the task held, nothing is pulled until the lease is
+  renewed, and the held task runs again then unless it was moved on meanwhile
+  (`services.runtime.touch`); a task whose work was done stores its outcome once the bus is
+  back, unless it was moved on meanwhile;
+- settlements (ack, nak, term) confirmed by the server and sent again through an outage, and a
+  delivery lost in a reconnect handed out again at once (`services.runtime.acks`);
+- a watchdog process, for a worker that is its own process: a worker that stops running while
+  a task's work runs is killed, so its backend stops before the task may be moved
+  (`services.runtime.watchdog`);
 - idle sleep, for kinds with a `SleepPolicy`.
 
 This module is the worker's life (start, pull, stop); one task's way through is
@@ -50,15 +57,18 @@ from schemas.subjects import CANCEL_NOTICES
 from schemas.tasks import TaskMessage
 from schemas.workers import WorkerRecord
 from services import __version__
+from services.runtime.acks import ACK, NAK, STOP_SETTLE_S, recover_lost_delivery, settle
 from services.runtime.bus import ensure_streams, flush_written, publish_event
 from services.runtime.consumers import Queue, bind
 from services.runtime.errors import LeaseLost
 from services.runtime.lease import Lease, deregister
-from services.runtime.pull import pull_one
+from services.runtime.pull import holds_delivery, pull_one
 from services.runtime.sleep import forget_sleeping, go_to_sleep, watch_idle
 from services.runtime.taskkind import HealthWatch, Kind, LoopSettings
 from services.runtime.taskrun import TaskRunner
 from services.runtime.touch import TOUCH_LOOK_S, Touch
+from services.runtime.watch import reconnects
+from services.runtime.watchdog import Watchdog
 
 log = structlog.get_logger("taskloop")
 
@@ -188,8 +198,13 @@ class TaskLoop:
         self.touch = Touch(self.lease, self.runner, s.heartbeat_interval_s, s.ack_wait_s)
         background = [
             asyncio.create_task(self.lease.keep(s.heartbeat_interval_s)),
-            asyncio.create_task(self.touch.watch(lambda: self._running)),
+            asyncio.create_task(self.touch.watch()),
         ]
+        watchdog = Watchdog(s.watchdog_s) if s.watchdog_s is not None else None
+        if watchdog is not None:
+            await watchdog.start()
+            self.runner.on_working = watchdog.mark
+            background.append(asyncio.create_task(watchdog.feed(lambda: self.runner.working)))
         if self.settings.sleep is not None:
             background.append(
                 asyncio.create_task(
@@ -226,6 +241,8 @@ class TaskLoop:
                 # Whatever became of the goodbye (a bus away, a stop cut short), the backend's
                 # connections are closed.
                 await self.kind.close()
+                if watchdog is not None:
+                    await watchdog.close()
         log.info("worker stopped", worker_id=self.settings.worker_id, **self.runner.counts)
         if self.lease.lost.is_set():
             raise LeaseLost(f"worker '{self.settings.worker_id}' stopped: its lease was taken over")
@@ -248,6 +265,7 @@ class TaskLoop:
         usual = [(src, FIRST_POLL_S if i == 0 else OTHER_POLL_S) for i, src in enumerate(sources)]
         after_task = [(src, 0.0) for src in sources] + usual if len(sources) > 1 else usual
         polls = usual
+        connection = reconnects(self.nc)
         watch = asyncio.create_task(self._stop_watch(stop))
         try:
             while not (stop.is_set() or lost.is_set() or self.asleep.is_set()):
@@ -260,6 +278,10 @@ class TaskLoop:
                         await self._run_guarded(held, stop)
                         polls = after_task
                     continue
+                if reconnects(self.nc) != connection:
+                    # Nothing held, no pull waiting: a task in flight was lost on its way.
+                    connection = reconnects(self.nc)
+                    await self._recover(sources)
                 if not await self._healthy(stop):
                     continue  # degraded: nothing pulled (the reaper moves what waits here)
                 polls_now, polls = polls, usual
@@ -318,7 +340,7 @@ class TaskLoop:
         if self.kind.serves(task):
             return True
         log.info("shared task for a model not served here; returned", model=task.model)
-        await msg.nak(delay=1)
+        await settle(self.nc, msg, NAK, delay_s=1)
         return False
 
     async def _run_guarded(self, msg: Msg, stop: asyncio.Event) -> None:
@@ -330,8 +352,7 @@ class TaskLoop:
         set goes back at once.
         """
         if stop.is_set():
-            with suppress(Exception):
-                await msg.nak()
+            await settle(self.nc, msg, NAK, within_s=STOP_SETTLE_S)
             return
         work = asyncio.create_task(self.runner.handle_traced(msg))
         self._running = work
@@ -344,18 +365,28 @@ class TaskLoop:
             if self.touch is not None and self.touch.stopping and not stop.is_set():
                 self.touch.park(msg)  # stopped for want of touch with the bus: held
                 return
-            with suppress(Exception):  # stopped by `_stop_watch`
-                await msg.nak()
+            await settle(self.nc, msg, NAK, within_s=STOP_SETTLE_S)  # stopped by `_stop_watch`
             return
         finally:
             self._running = None
             if self.touch is not None:
                 self.touch.stopping = False
         if stored:
+            # Confirmed by the server, through an outage: until it takes the ack, the worker's
+            # own queue hands it nothing more. One never taken comes back after its ack wait,
+            # and the redelivery is recognised by its stored outcome and acked.
+            await settle(self.nc, msg, ACK)
+
+    async def _recover(self, sources: list[Source]) -> None:
+        """After a reconnect, return to its queue a task the server handed out as the
+        connection went down (`recover_lost_delivery`), rather than wait out its ack wait."""
+        for source in sources:
+            if not source.queue.one_at_a_time or holds_delivery(source.sub):
+                continue
             try:
-                await msg.ack()
-            except Exception as exc:  # stored already: a redelivery is recognised and acked
-                log.warning("ack failed after the outcome was stored", error=repr(exc))
+                await recover_lost_delivery(self.nc, self.js, source.queue.consumer)
+            except Exception as exc:  # the bus is away again: the next reconnect looks again
+                log.warning("lost delivery not looked for", error=repr(exc))
 
     async def _stop_watch(self, stop: asyncio.Event) -> None:
         """Once ``stop`` is set, give the running task its grace (and a kind that can wrap up

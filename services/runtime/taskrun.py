@@ -9,8 +9,9 @@ stops the work; the outcome, checked to fit in one event, is stored, and the cal
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from contextlib import suppress
+from collections.abc import Callable
 
 import msgspec
 import structlog
@@ -24,6 +25,7 @@ from structlog.typing import FilteringBoundLogger
 from schemas.events import TaskCompleted, TaskFailed, TaskStarted
 from schemas.route import CancelNotice
 from schemas.tasks import TaskMessage
+from services.runtime.acks import NAK, TERM, settle
 from services.runtime.attempts import (
     CancelMemory,
     cancelled,
@@ -72,7 +74,24 @@ class TaskRunner:
         # claim, since its message may have been delivered before a move took it over.
         self.claim_first = False
         self._work: asyncio.Future[TaskCompleted | TaskFailed] | None = None  # a cancel's
+        # Told when the kind's work on a task starts (True) and ends (False): the watchdog
+        # (`services.runtime.watchdog`) learns it at once, not at its next tick.
+        self.on_working: Callable[[bool], None] = lambda working: None
         self._cancels = CancelMemory()  # from `CANCEL_NOTICES`
+
+    @property
+    def working(self) -> bool:
+        """Is the kind's work on a task under way (a backend call, for inference)?"""
+        return self._work is not None and not self._work.done()
+
+    def stop_work(self) -> bool:
+        """Stop the kind's work on the running task, if it is under way (the caller then holds
+        the task: `services.runtime.touch`); False when there was none to stop."""
+        if not self.working:
+            return False
+        assert self._work is not None
+        self._work.cancel()
+        return True
 
     # -- one task ------------------------------------------------------------------------------
 
@@ -94,7 +113,7 @@ class TaskRunner:
             task = _task_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
             log.error("dropping undecodable task message", subject=msg.subject, error=str(exc))
-            await msg.term()
+            await settle(self.nc, msg, TERM)
             return False
         bound = log.bind(
             task_id=task.task_id,
@@ -104,11 +123,12 @@ class TaskRunner:
         )
         assert self.registry is not None
         if await settled(
+            self.nc,
             self.js,
             task,
             msg,
-            bound,
-            self.registry,
+            bound=bound,
+            registry=self.registry,
             worker_id=self.settings.worker_id,
             runs_twice=self.settings.runs_twice,
             worker_ttl_s=self.settings.worker_ttl_s,
@@ -125,7 +145,7 @@ class TaskRunner:
                 # Cancelled while queued: not run, and no outcome for a copy that was moved on.
                 if notice.up_to_attempt is not None or await moved_on(self.js, task):
                     bound.warning("stale attempt: the task was moved on; dropped unrun")
-                    await msg.term()
+                    await settle(self.nc, msg, TERM)
                     return False
                 outcome = cancelled(task, self.settings.worker_id, notice.reason, None)
             else:
@@ -147,19 +167,20 @@ class TaskRunner:
                 if not fresh or (moved is not None and moved.up_to_attempt is not None):
                     # Refused, or stopped by the reaper's notice that it moved the task on.
                     bound.warning("stale attempt: the task was moved on; dropped")
-                    await msg.term()
+                    await settle(self.nc, msg, TERM)
                     return False
+            # Stored through any outage, however long: the work is done, and the fence keeps
+            # it from counting once the task was moved on meanwhile.
             if not await store_attempt_outcome(
-                self.nc, self.js, task, outcome, self.settings.worker_id
+                self.nc, self.js, task, outcome, self.settings.worker_id, retry_s=math.inf
             ):
                 bound.warning("stale attempt: the task was moved on while it ran; outcome dropped")
-                await msg.term()
+                await settle(self.nc, msg, TERM)
                 return False
         except Exception as exc:
             # The outcome could not be stored: return the task so it is not lost.
             bound.error("task not finished; returned to the queue", error=repr(exc))
-            with suppress(Exception):
-                await msg.nak(delay=1)
+            await settle(self.nc, msg, NAK, delay_s=1)
             return False
         finally:
             self.current_task = None
@@ -201,6 +222,7 @@ class TaskRunner:
                 self._work = asyncio.ensure_future(
                     self.kind.run(Attempt(task, alive.progress, on_chunk, self.cut, bound))
                 )
+                self.on_working(True)  # before the work's first step sends anything
                 outcome = await self._work
         except asyncio.CancelledError:
             this = asyncio.current_task()
@@ -214,6 +236,7 @@ class TaskRunner:
             )  # a stale copy's is never stored
         finally:
             self._work = None
+            self.on_working(False)
         return fitting(outcome, self.nc.max_payload)
 
     def _stop_if_refused(self, claimed: asyncio.Future[bool]) -> None:

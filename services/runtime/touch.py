@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from contextlib import suppress
 from typing import Final
 
@@ -28,6 +27,7 @@ from nats.aio.msg import Msg
 
 from schemas.subjects import SHARED_CPU_QUEUE, WEB_QUEUE
 from schemas.tasks import TaskMessage
+from services.runtime.acks import NAK, STOP_SETTLE_S, settle
 from services.runtime.lease import Lease
 from services.runtime.taskrun import TaskRunner
 
@@ -57,9 +57,11 @@ class Touch:
         """Set while the running task is being stopped for want of touch (not for a stop)."""
         self._parked_at = 0.0
 
-    async def watch(self, running: Callable[[], asyncio.Task[bool] | None]) -> None:
-        """Set and clear `adrift` as heartbeats stop and start being stored; stop the task
-        ``running`` gives (run it as a task, cancel to stop)."""
+    async def watch(self) -> None:
+        """Set and clear `adrift` as heartbeats stop and start being stored; stop the running
+        task's work (run it as a task, cancel to stop). A task whose work is over goes on
+        storing its outcome through the outage: fenced on its attempt, it is stored unless the
+        task was moved on meanwhile (`services.runtime.outcomes.store_attempt_outcome`)."""
         look_s = min(TOUCH_LOOK_S, self.interval_s / 4)
         while True:
             await asyncio.sleep(look_s)
@@ -73,10 +75,8 @@ class Touch:
                 self.adrift.set()
                 self.runner.claim_first = True
                 self._log_adrift()
-                work = running()
-                if work is not None:
+                if self.runner.stop_work():
                     self.stopping = True
-                    work.cancel()
 
     def _log_adrift(self) -> None:
         silent_s = time.time() - (self.lease.stored_at or 0.0)
@@ -111,8 +111,7 @@ class Touch:
         pooled = msg.subject in (SHARED_CPU_QUEUE, WEB_QUEUE)
         if pooled and time.time() - self._parked_at >= self.ack_wait_s / 2:
             self.runner.current_task = None
-            with suppress(Exception):
-                await msg.nak()
+            await settle(self.runner.nc, msg, NAK)
             return None
         log.info("running again the task stopped while out of touch", subject=msg.subject)
         self.runner.claim_first = True
@@ -122,5 +121,4 @@ class Touch:
         """The worker is stopping: the held task goes back to its queue."""
         msg, self.parked = self.parked, None
         if msg is not None:
-            with suppress(Exception):
-                await msg.nak()
+            await settle(self.runner.nc, msg, NAK, within_s=STOP_SETTLE_S)

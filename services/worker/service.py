@@ -312,9 +312,10 @@ class Inference:
         )
 
 
-def inference_loop_settings(settings: WorkerSettings) -> LoopSettings:
+def inference_loop_settings(settings: WorkerSettings, *, own_process: bool = False) -> LoopSettings:
     """The task loop's part of a worker's settings: a task goes back to its queue at a stop,
-    and an idle worker may sleep."""
+    and an idle worker may sleep. A worker that is its own process has a watchdog (one among
+    other services, under ``coordinator up``, stalls with its reaper: nothing is moved)."""
     return loop_settings(
         settings,
         sleep=SleepPolicy(
@@ -324,19 +325,27 @@ def inference_loop_settings(settings: WorkerSettings) -> LoopSettings:
             shutdown_command=settings.shutdown_command,
         ),
         wol_mac=settings.wol_mac,
+        watchdog_s=settings.watchdog_s if own_process and settings.watchdog_s > 0 else None,
     )
 
 
 async def serve(
-    nc: Client, settings: WorkerSettings, backend: Backend, stop: asyncio.Event
+    nc: Client,
+    settings: WorkerSettings,
+    backend: Backend,
+    stop: asyncio.Event,
+    *,
+    own_process: bool = False,
 ) -> None:
     """Run the inference kind on the task loop until ``stop`` (raises `LeaseLost` if taken over)."""
     kind = Inference(nc, settings, backend)
-    await TaskLoop(nc, kind, inference_loop_settings(settings), health=kind.probe).run(stop)
+    loop = inference_loop_settings(settings, own_process=own_process)
+    await TaskLoop(nc, kind, loop, health=kind.probe).run(stop)
 
 
-async def run(settings: WorkerSettings, stop: asyncio.Event) -> None:
-    """Run one worker until ``stop`` is set."""
+async def run(settings: WorkerSettings, stop: asyncio.Event, *, own_process: bool = False) -> None:
+    """Run one worker until ``stop`` is set; ``own_process``: it is the process's only
+    service (``coordinator worker``), which gets a watchdog (`services.runtime.watchdog`)."""
     nc = await connect(
         settings.nats_url, f"coordinator-worker-{settings.worker_id}", auth=settings.nats_auth()
     )
@@ -348,7 +357,7 @@ async def run(settings: WorkerSettings, stop: asyncio.Event) -> None:
         connect_timeout_s=settings.backend_connect_timeout_s,
     )
     try:
-        await serve(nc, settings, backend, stop)
+        await serve(nc, settings, backend, stop, own_process=own_process)
     finally:
         await backend.aclose()
         with suppress(Exception):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import suppress
 
 import pytest
 from nats.aio.client import Client
@@ -23,68 +23,7 @@ from schemas.subjects import ROUTE
 from services.runtime.request import new_task_id
 from tests.harness import ServiceRunner, eventually, last_task_event, request, workers_live
 from tests.reaper_harness import MODEL
-
-
-class Relay:
-    """A TCP relay to one port that can drop every connection through it and refuse new ones
-    for a while (what a client sees of a link that went down)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = 0
-        self._pairs: set[asyncio.StreamWriter] = set()
-        self._handlers: set[asyncio.Task[None]] = set()
-        self._server: asyncio.Server | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        handler = asyncio.current_task()
-        assert handler is not None
-        self._handlers.add(handler)
-        handler.add_done_callback(self._handlers.discard)
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self._pairs |= {writer, up_writer}
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with suppress(Exception):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-            with suppress(Exception):
-                await dst.wait_closed()
-
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
-        self._pairs -= {writer, up_writer}
-
-    async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def _drop(self) -> None:
-        assert self._server is not None
-        self._server.close()  # new connections are refused
-        for writer in list(self._pairs):
-            writer.close()
-        await asyncio.wait_for(asyncio.gather(*self._handlers, return_exceptions=True), 10)
-        await self._server.wait_closed()
-
-    async def drop_for(self, seconds: float) -> None:
-        """Close every connection through the relay, and refuse new ones for ``seconds``."""
-        await self._drop()
-        await asyncio.sleep(seconds)
-        await self._listen()
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[Relay]:
-        await self._listen()
-        try:
-            yield self
-        finally:
-            await self._drop()
+from tests.relay import Relay
 
 
 @pytest.fixture

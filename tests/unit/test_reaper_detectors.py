@@ -186,9 +186,25 @@ def test_a_task_whose_message_is_missing_is_a_ghost_even_if_the_worker_pulls() -
 
 
 def test_a_task_in_flight_nobody_works_on_blocks_an_idle_workers_queue_a_ghost() -> None:
-    blocked = consumer(idle=11, pending=3, in_flight=1, waiting=1)
-    finding = only(snap([task(age=11)], [worker("a")], {"worker-a": blocked}))
+    # Past the consumer's ack wait (30 s) and GHOST_AFTER_S: the server would have handed it
+    # out again by now.
+    blocked = consumer(idle=41, pending=3, in_flight=1, waiting=1)
+    finding = only(snap([task(age=41)], [worker("a")], {"worker-a": blocked}))
     assert "held by no process that works on it" in finding.detail
+
+
+def test_a_task_in_flight_is_no_ghost_before_the_server_hands_it_out_again() -> None:
+    """A live worker's acknowledgement (or a delivery) lost in a reconnect leaves one task in
+    flight on its consumer, which the server hands out again after the ack wait and the worker
+    then settles: the task queued behind it waits, it is not moved (nor failed, when it was
+    asked of that worker by name)."""
+    for idle in (11.0, 25.0, 39.9):
+        blocked = consumer(idle=idle, pending=3, in_flight=1, waiting=1)
+        assert found(snap([task(age=idle)], [worker("a")], {"worker-a": blocked})) == [], idle
+    short = dataclasses.replace(consumer(idle=16, in_flight=1), ack_wait_s=5.0)
+    assert found(snap([task(age=16)], [worker("a")], {"worker-a": short})) == [
+        ("ghost_pending", "a")
+    ]
 
 
 def test_a_busy_worker_gets_to_its_queue_in_turn() -> None:

@@ -100,3 +100,16 @@ def test_a_workers_memory_is_read_in_gb_and_refused_unless_positive() -> None:
     for bad in ("0", "-4", "inf", "nan"):
         with pytest.raises(ConfigError, match="WORKER_MEMORY_GB"):
             WorkerSettings.from_env({"WORKER_MEMORY_GB": bad})
+
+
+def test_a_workers_watchdog_acts_before_the_reaper_may_move_its_task() -> None:
+    """The watchdog's limit defaults to the TTL less a heartbeat interval, and must be shorter
+    than the TTL: a stalled worker's generation has to end before its task may run elsewhere."""
+    assert WorkerSettings.from_env({}).watchdog_s == 2.0
+    tuned = {"HEARTBEAT_INTERVAL_S": "0.5", "WORKER_TTL_S": "3"}
+    assert WorkerSettings.from_env(tuned).watchdog_s == 2.5
+    assert WorkerSettings.from_env({"WORKER_WATCHDOG_S": "1.5"}).watchdog_s == 1.5
+    assert WorkerSettings.from_env({"WORKER_WATCHDOG_S": "0"}).watchdog_s == 0  # none
+    for bad in ("3", "4", "-1", "nan"):
+        with pytest.raises(ConfigError, match="WORKER_WATCHDOG_S"):
+            WorkerSettings.from_env({"WORKER_WATCHDOG_S": bad})
