@@ -119,8 +119,15 @@ def decide(
         )
     alive = live(workers, now, ttl_s)
     needs = task.needs or DEFAULT_CAPABILITIES
-    if task.designated is not None and task.status == "unrouted":
-        # Never routed (its router stopped midway): route it where the client asked.
+    if task.designated is not None and (task.status == "unrouted" or finding.if_missing):
+        # Never routed (its router stopped midway), or its message lost on the way to a live
+        # worker: route it (again) where the client asked.
+        if task.attempt + 1 > max_attempts:
+            return fail(
+                TooManyAttempts.code,
+                f"gave up after {task.attempt} attempts (reason={finding.reason}): "
+                f"{finding.detail}",
+            )
         try:
             decision = choose(task.model, alive, designated=task.designated, needs=needs)
         except (NoWorker, UnsupportedCapability) as exc:
@@ -128,7 +135,7 @@ def decide(
                 return Wait(task.task_id, task.attempt, f"{exc.message} (view settling)")
             return fail(WorkerUnavailable.code, f"{exc.message} (reason={finding.reason})")
         reason = f"routed by the reaper ({finding.detail})"
-        return Move(task.task_id, 1, decision, reason, task.domain)
+        return Move(task.task_id, task.attempt + 1, decision, reason, task.domain)
     if task.designated is not None:
         return fail(
             WorkerUnavailable.code,

@@ -27,6 +27,7 @@ not also called stuck). Nothing here acts: `decisions.decide` says what to do wi
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -85,6 +86,10 @@ class TaskFinding:
     """The worker the task must not go back to (None: any will do)."""
     detail: str
     """What was seen, for the log and the failure's reason."""
+    if_missing: bool = False
+    """Act only if the task's message is not in its queue (looked up before acting): a busy
+    worker's queue holds fewer messages than the tasks waiting on it, so some are missing,
+    and which ones only the queue can tell."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +112,7 @@ class Findings:
 def detect(snapshot: Snapshot, thresholds: Thresholds) -> Findings:
     """Every finding of this snapshot: at most one per open task, one per duplicated worker."""
     found: list[TaskFinding] = []
+    waiting = waiting_by_consumer(snapshot, thresholds)
     for task in sorted(snapshot.tasks.values(), key=lambda t: (t.since, t.task_id)):
         if not task.open:
             continue
@@ -115,7 +121,7 @@ def detect(snapshot: Snapshot, thresholds: Thresholds) -> Findings:
             or dead_worker(task, snapshot, thresholds)
             or degraded_worker(task, snapshot, thresholds)
             or stuck_task(task, snapshot, thresholds)
-            or ghost_pending(task, snapshot, thresholds)
+            or ghost_pending(task, snapshot, thresholds, waiting)
         )
         if finding is not None:
             found.append(finding)
@@ -200,8 +206,22 @@ def stuck_task(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFinding |
     return TaskFinding(task.task_id, task.attempt, STUCK_TASK, task.runner, detail)
 
 
-def ghost_pending(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFinding | None:
-    """Waiting where nothing will ever take it."""
+def waiting_by_consumer(snap: Snapshot, th: Thresholds) -> Counter[str]:
+    """How many messages the queue of each consumer should hold at least: one per task running
+    from it (in flight), one per task queued on it for over ``GHOST_AFTER_S`` (younger ones
+    may not be queued yet)."""
+    return Counter(
+        queue_consumer(t.queue)
+        for t in snap.tasks.values()
+        if t.open and t.queue is not None
+        if t.status == "running" or (t.status == "queued" and snap.now - t.since > th.ghost_after_s)
+    )
+
+
+def ghost_pending(
+    task: TaskTrack, snap: Snapshot, th: Thresholds, waiting: Counter[str]
+) -> TaskFinding | None:
+    """Waiting where nothing will ever take it. ``waiting``: `waiting_by_consumer`."""
     waited_s = snap.now - task.since
     if waited_s <= th.ghost_after_s:
         return None
@@ -232,8 +252,23 @@ def ghost_pending(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFindin
         detail = f"queued on {task.queue} for {waited_s:.0f} s; {why}"
         return TaskFinding(task.task_id, task.attempt, GHOST_PENDING, None, detail)
     record = snap.workers.get(task.worker)
-    if record is None or not is_live(record, snap.now, th.dead_after_s) or record.state == "busy":
-        return None  # a dead worker's task is `dead_worker`'s; a busy one gets to it in turn
+    if record is None or not is_live(record, snap.now, th.dead_after_s):
+        return None  # a dead worker's task is `dead_worker`'s
+    if record.state == "busy":
+        # A busy worker gets to its queue in turn, unless the queue holds fewer messages than
+        # the tasks running from it and waiting on it: then some message is missing, and the
+        # task would wait for as long as the worker stays busy.
+        held = history.num_pending + history.num_ack_pending
+        if not history.exists or waiting[queue_consumer(task.queue)] <= held:
+            return None
+        detail = (
+            f"queued on {task.queue} for {waited_s:.0f} s; worker '{task.worker}' is busy, "
+            f"but its queue holds {held} message(s) for "
+            f"{waiting[queue_consumer(task.queue)]} task(s) running or waiting over "
+            f"{th.ghost_after_s:g} s: its message is missing from the queue"
+        )
+        # Any worker will do, this one included: only the message is lost.
+        return TaskFinding(task.task_id, task.attempt, GHOST_PENDING, None, detail, if_missing=True)
     if idle_s <= th.ghost_after_s:
         return None
     if not history.exists:

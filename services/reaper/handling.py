@@ -151,6 +151,10 @@ class FindingHandler:
                 bound.info("task settled meanwhile; nothing to do")
                 return
             index = indexes.get(task.queue or "", {})
+            in_queue = any(a == task.attempt for _, a in index.get(task.task_id, []))
+            if finding.if_missing and in_queue:
+                bound.info("its message is in the queue after all; it waits its turn")
+                return
             copies = copies_up_to(index, task.task_id, task.attempt)
             if isinstance(plan, Move):
                 try:

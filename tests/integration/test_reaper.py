@@ -13,6 +13,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from structlog.testing import capture_logs
 
 from devtools.fakes.ollama import FakeOllama
@@ -257,6 +258,60 @@ async def test_a_task_queued_for_a_worker_that_does_not_pull_is_moved_or_failed_
         assert (first.worker, second.worker, second.attempt) == ("aaa-ghost", "cpu-b", 2)
         assert "ghost_pending" in second.reason
         assert "consumer worker-aaa-ghost does not exist" in second.reason
+
+
+async def test_a_task_whose_message_went_missing_behind_a_busy_worker_is_queued_again_at_once(
+    nats_server: NatsServer, nc: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """The worker is busy with a long task; the message of the task queued behind it is lost.
+    Its queue then holds fewer messages than the tasks waiting on it: the task is queued again
+    for the worker it was asked of, while that worker is still busy, not found only once the
+    worker is idle (nor failed as a named worker's ghost)."""
+    runner.router(nats_server.url)
+    runner.reaper(nats_server.url)
+    runner.worker(nats_server.url, ollama.url, "cpu-a")
+    await workers_live(nc, 1)
+    ollama.configure(chunk_delay_s=0.25)
+    long_prompt = " ".join(f"word{i}" for i in range(40))  # about 10 s
+    js = nc.jetstream()
+    async with TaskEvents(nc) as events:
+        first = await route(nc, prompt=long_prompt, worker="cpu-a")
+        second = await route(nc, worker="cpu-a")
+
+        async def behind() -> int | None:
+            found = [seq for _, seq in await queue_seqs(js, "tasks.cpu.cpu-a")]
+            return found[-1] if len(found) == 2 else None
+
+        lost = await eventually(behind)
+        await js.delete_msg("TASKS", lost)
+
+        body, _ = await request(
+            nc,
+            "coordinator.route",
+            {"prompt": "1+1", "model": MODEL, "task_id": second["task_id"], "wait": True},
+            timeout_s=60,
+        )
+        assert (body["status"], body["worker"]) == ("done", "cpu-a"), body
+        # Queued again (the same worker, the next attempt) while the first task still ran.
+        routed = [e for e in events.of(second["task_id"], "routed") if isinstance(e, TaskRouted)]
+        assert [(r.attempt, r.worker) for r in routed] == [(1, "cpu-a"), (2, "cpu-a")]
+        assert "its message is missing from the queue" in routed[-1].reason
+        [first_end] = events.of(first["task_id"], "completed")
+        assert events.events.index(routed[-1]) < events.events.index(first_end)
+
+
+async def queue_seqs(js: JetStreamContext, queue: str) -> list[tuple[str, int]]:
+    """(task id, stream sequence) of every message on ``queue`` still in ``TASKS``."""
+    found: list[tuple[str, int]] = []
+    seq = 1
+    while True:
+        try:
+            raw = await js.get_msg("TASKS", seq=seq, subject=queue, next=True)
+        except NotFoundError:
+            return found
+        message = msgspec.json.decode(raw.data or b"", type=TaskMessage)
+        found.append((message.task_id, int(raw.seq or seq)))
+        seq = (raw.seq or seq) + 1
 
 
 async def test_a_web_search_task_is_never_re_dispatched_it_fails_with_the_reason(

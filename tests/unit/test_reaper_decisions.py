@@ -185,6 +185,19 @@ def test_a_task_for_a_named_worker_never_routed_is_routed_there_or_fails_naming_
     assert gone.reason.startswith("worker 'b' is not live")
 
 
+def test_a_named_workers_task_whose_message_is_missing_is_queued_there_again() -> None:
+    """The worker is live (busy): only the message was lost, so the task goes back to it as
+    its next attempt, within the attempts allowed."""
+    lost = TaskFinding("t-1", 1, "ghost_pending", None, "its message is missing", if_missing=True)
+    queued = task(status="queued", runner=None, designated="a")
+    plan = decide_for(lost, queued, [worker("a", state="busy"), worker("b")])
+    assert isinstance(plan, Move)
+    assert (plan.attempt, plan.decision.worker_id) == (2, "a")
+    assert "its message is missing" in plan.reason
+    spent = decide_for(lost, task(status="queued", attempt=5, designated="a"), [worker("a")])
+    assert isinstance(spent, Fail) and spent.code == "too_many_attempts"
+
+
 def test_while_the_registry_settles_no_task_is_failed_for_want_of_a_live_worker() -> None:
     # Heartbeats from before an outage: the other worker may be live, not yet heard again.
     stale = worker("b", heartbeat_at=NOW - 10)

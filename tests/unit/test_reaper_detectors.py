@@ -207,6 +207,28 @@ def test_a_task_in_flight_is_no_ghost_before_the_server_hands_it_out_again() -> 
     ]
 
 
+def test_a_busy_workers_queue_holding_fewer_messages_than_tasks_waiting_has_one_missing() -> None:
+    """A busy worker is left to get to its queue in turn, unless its queue holds fewer messages
+    than the tasks running from it and waiting on it: then the waiting ones are flagged, each
+    to be acted on only if its own message is not in the queue (the reaper looks)."""
+    busy = worker("a", state="busy", current_task="t-0")
+    tasks = [
+        task("running", age=30, task_id="t-0"),
+        task(age=12, task_id="t-1"),
+        task(age=11, task_id="t-2"),
+        task(age=1, task_id="t-3"),  # too young: its message may not be queued yet
+    ]
+    full = consumer(idle=0, pending=3, in_flight=1, waiting=0)
+    assert found(snap(tasks, [busy], {"worker-a": full})) == []
+    short = consumer(idle=0, pending=1, in_flight=1, waiting=0)
+    findings = detect(snap(tasks, [busy], {"worker-a": short}), TH).tasks
+    assert [(f.task_id, f.reason, f.if_missing) for f in findings] == [
+        ("t-1", "ghost_pending", True),
+        ("t-2", "ghost_pending", True),
+    ]
+    assert "its queue holds 2 message(s) for 3 task(s)" in findings[0].detail
+
+
 def test_a_busy_worker_gets_to_its_queue_in_turn() -> None:
     busy = worker("a", state="busy", current_task="t-0")
     assert found(snap([task(age=60)], [busy], {"worker-a": consumer(idle=60)})) == []
