@@ -109,6 +109,7 @@ class TaskLoop:
         self.asleep = asyncio.Event()
         self.touch: Touch | None = None  # once the lease is taken
         self._running: asyncio.Task[bool] | None = None  # what a stop may cancel
+        self._confirming: set[asyncio.Task[bool]] = set()  # acks awaiting the server's word
         self._cancel_sub: Subscription | None = None
 
     def record(self) -> WorkerRecord:
@@ -298,6 +299,8 @@ class TaskLoop:
             watch.cancel()
             if touch is not None:
                 await touch.let_go()
+            if self._confirming:  # what is not confirmed by then comes back after its ack wait
+                await asyncio.wait(set(self._confirming), timeout=STOP_SETTLE_S)
 
     async def _healthy(self, stop: asyncio.Event) -> bool:
         """Between tasks: run the backend probe that is due (stopped by ``stop``); False
@@ -374,8 +377,12 @@ class TaskLoop:
         if stored:
             # Confirmed by the server, through an outage: until it takes the ack, the worker's
             # own queue hands it nothing more. One never taken comes back after its ack wait,
-            # and the redelivery is recognised by its stored outcome and acked.
-            await settle(self.nc, msg, ACK)
+            # and the redelivery is recognised by its stored outcome and acked. The
+            # confirmation is awaited beside the next pull, which leaves in the same write as
+            # the ack, so a task costs no extra round trip.
+            confirming = asyncio.create_task(settle(self.nc, msg, ACK))
+            self._confirming.add(confirming)
+            confirming.add_done_callback(self._confirming.discard)
 
     async def _recover(self, sources: list[Source]) -> None:
         """After a reconnect, return to its queue a task the server handed out as the
