@@ -47,7 +47,7 @@ from schemas.subjects import (
     STATS_REBUILD,
 )
 from services.cli.client import find_nats_url, open_client
-from services.cli.stats_args import model_list, positive, time_arg
+from services.cli.stats_args import model_list, time_arg, timeout_arg
 from services.cli.stats_format import (
     aliases_lines,
     exclusion_line,
@@ -108,7 +108,7 @@ def register(sub: Any) -> None:
     rebuild = actions.add_parser(
         "rebuild", help="replay the event log into fresh tables and swap them in"
     )
-    rebuild.add_argument("--timeout", type=positive, default=3600.0, help="seconds to wait")
+    rebuild.add_argument("--timeout", type=timeout_arg, default=3600.0, help="seconds to wait")
     rebuild.add_argument("--json", action="store_true")
     rebuild.set_defaults(func=cmd_rebuild)
 
@@ -137,7 +137,7 @@ def register(sub: Any) -> None:
     bench = sub.add_parser("bench", help="the nightly benchmark through the router (for cron)")
     bench.add_argument("--models", help="comma-separated (default: every model served)")
     bench.add_argument("--prompts", type=Path, help="a .json list or one prompt per line")
-    bench.add_argument("--timeout", type=positive, default=300.0, help="seconds per prompt")
+    bench.add_argument("--timeout", type=timeout_arg, default=300.0, help="seconds per prompt")
     bench.set_defaults(func=cmd_bench)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from schemas.stats import FigureView
 from services.cli.main import build_parser
-from services.cli.stats_args import parse_time
+from services.cli.stats_args import parse_time, timeout_arg
 from services.cli.stats_commands import (
     cmd_alias_add,
     cmd_bench,
@@ -64,6 +64,34 @@ def test_anything_else_is_refused_saying_what_is_accepted(text: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("1700000000000", "(that looks like milliseconds: times are epoch seconds"),
+        ("1e308", "not 1e+308"),
+        ("-1e18", "not -1e+18"),
+        ("9223372036854775808", "(that looks like nanoseconds"),
+        ("1969-12-31T00:00Z", "not -86400"),
+        ("99999999w ago", "must be a time from 1970-01-01 to 9999-12-31"),
+        ("0001-01-01", "'0001-01-01' is not a time from 1970-01-01 to 9999-12-31"),
+    ],
+)
+def test_a_time_out_of_range_is_refused_saying_the_range(text: str, says: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        parse_time(text, now=NOW)
+
+    assert says in str(refused.value)
+    assert "1970-01-01" in str(refused.value)
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "nan", "inf", "1e308", "86401", "soon"])
+def test_a_timeout_must_be_seconds_up_to_a_day(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="at most 86400"):
+        timeout_arg(text)
+    assert timeout_arg("86400") == 86400.0
+    assert timeout_arg("0.5") == 0.5
+
+
+@pytest.mark.parametrize(
     ("argv", "func"),
     [
         (["stats"], cmd_figures),
@@ -113,6 +141,18 @@ def test_judge_flags_win_over_the_environment() -> None:
         ({"JUDGE_MODEL": "m"}, "PG_DSN is required but not set"),
         ({"PG_DSN": "x", "JUDGE_MODEL": "m", "BATCH_LIMIT": "0"}, "BATCH_LIMIT=0 must be"),
         ({"PG_DSN": "x", "JUDGE_MODEL": "m", "BATCH_LIMIT": "many"}, "BATCH_LIMIT='many'"),
+        (
+            {"PG_DSN": "x", "JUDGE_MODEL": "m", "BATCH_LIMIT": str(2**70)},
+            "at most 10000",
+        ),
+        (
+            {"PG_DSN": "x", "JUDGE_MODEL": "m", "JUDGE_TIMEOUT_S": "nan"},
+            "JUDGE_TIMEOUT_S must be a positive number of seconds, at most 86400",
+        ),
+        (
+            {"PG_DSN": "x", "JUDGE_MODEL": "m", "JUDGE_CONNECT_TIMEOUT_S": "1e308"},
+            "JUDGE_CONNECT_TIMEOUT_S must be a positive number of seconds",
+        ),
     ],
 )
 def test_judge_settings_name_what_is_wrong(environ: dict[str, str], message: str) -> None:
