@@ -70,6 +70,7 @@ from services.stats.publisher import FigurePublisher
 from services.stats.rebuild import rebuild
 from services.stats.requests import check_exclusion, decode_request, new_id, parse_task_query
 from services.stats.store import Store
+from services.stats.tracking import event_digest
 
 log = structlog.get_logger("stats")
 
@@ -124,9 +125,9 @@ class StatsEndpoints:
         a later event of the task than the projection has applied (the end its client has
         just been told), the answer waits for it (at most `PROJECTED_WAIT_S`)."""
         query = parse_task_query(body)
-        last = await self._last_event_seq(query.task_id)
+        last = await self._last_event(query.task_id)
         if last is not None:
-            await self._when_projected(lambda: self._applied(last), what="task event")
+            await self._when_projected(lambda: self._applied(*last), what="task event")
         view = await self.store.get_task(query.task_id)
         if view is None:
             raise NotFound(f"no task '{query.task_id}' (it may not be projected yet)")
@@ -285,14 +286,16 @@ class StatsEndpoints:
         log.warning("not projected in time; replying anyway", waited_for=what)
         return None
 
-    async def _last_event_seq(self, task_id: str) -> int | None:
-        """The stream position of the task's latest event (None: the stream has none, or
-        cannot say now: the projection's answer stands)."""
+    async def _last_event(self, task_id: str) -> tuple[int, bytes] | None:
+        """The stream position and digest of the task's latest event (None: the stream has
+        none, or cannot say now: the projection's answer stands)."""
         try:
             stored = await self.js.get_last_msg(EVENTS_STREAM, task_events(task_id), direct=True)
         except Exception:
             return None
-        return stored.seq
+        if stored.seq is None or stored.subject is None:
+            return None
+        return stored.seq, event_digest(stored.subject, stored.data or b"")
 
-    async def _applied(self, seq: int) -> bool | None:
-        return True if await self.store.applied(seq) else None
+    async def _applied(self, seq: int, digest: bytes) -> bool | None:
+        return True if await self.store.applied(seq, digest) else None

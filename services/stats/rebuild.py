@@ -31,6 +31,9 @@ tables committed (≤ *S2*), and it redelivers anything unacked. An event at or 
 arrives again finds its tracking row in the new tables and is acked as a duplicate; one above
 *S2* is new to them and is applied exactly once. A live batch that was waiting for the lock
 starts its statements after the swap, so it writes to the new tables.
+
+The fresh tables hold only what ``EVENTS`` holds now: what events of a log it no longer holds
+counted (``replaced_tracking``) is gone after the swap.
 """
 
 from __future__ import annotations
@@ -50,11 +53,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from schemas.events import any_event_decoder
-from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS, task_event_source
+from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS
 from services.runtime.errors import RebuildBusy, Unavailable, Unstorable
 from services.stats.figure_rows import refresh_figures
-from services.stats.projector import Item, project
+from services.stats.projector import Item, item_of, project
 from services.stats.rows import PROJECTION_LOCK, PROJECTION_TABLES, Connection
 from services.stats.store import SCHEMA_PATH, database_errors, redact_dsn
 
@@ -207,9 +209,7 @@ async def replay(
         seq = metadata.sequence.stream
         if seq <= until:
             try:
-                batch.append(
-                    Item(seq, any_event_decoder.decode(msg.data), task_event_source(msg.subject))
-                )
+                batch.append(item_of(seq, msg.subject, msg.data))
             except msgspec.DecodeError as exc:
                 log.warning("undecodable event skipped", stream_seq=seq, error=str(exc))
         end = seq >= until or metadata.num_pending == 0

@@ -35,6 +35,7 @@ PROJECTION_TABLES: Final = (
     "bench_runs",
     "bench_results",
     "projection_tracking",
+    "replaced_tracking",
     "workers_seen",
 )
 

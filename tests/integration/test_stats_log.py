@@ -1,0 +1,268 @@
+"""The read model when ``EVENTS`` changes under it, against a real nats-server and a real
+PostgreSQL.
+
+A position in ``EVENTS`` does not name an event: the stream recreated (a new cluster, a lost
+volume) numbers its events from 1 again, one restored from an older backup numbers its new
+events where the lost ones were, and one restored from a backup holds the same events under a
+new ``created`` time. The projection tells them apart by the events themselves (a digest of
+each), so nothing is skipped as applied and nothing is applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import asyncpg
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from devtools.servers import NatsServer
+from schemas.subjects import EVENTS_STREAM, STATS_CONSUMER
+from services.runtime.bus import ensure_streams
+from tests.harness import request
+from tests.integration.test_stats import (
+    all_acked,
+    bus,
+    eventually,
+    rows,
+    running_stats,
+    settings_for,
+    store_at,
+)
+from tests.integration.test_stats_replay import T0, publish_tasks, read_model, rebuild, task
+
+# Waits across a stream's deletion: the projection notices at its next fetch and pauses (up to
+# 5 s) before it makes its consumer again.
+SWITCH_WAIT_S = 30.0
+
+
+async def acked(js: JetStreamContext, last_seq: int) -> bool | None:
+    """`all_acked`, or None while the stats consumer is not there (the stream was just made)."""
+    try:
+        return await all_acked(js, last_seq)
+    except nats.js.errors.NotFoundError:
+        return None
+
+
+async def snapshot(nc: Client, stream: str) -> tuple[dict[str, Any], list[bytes]]:
+    """A backup of ``stream`` as ``nats stream backup`` takes it (the JetStream API's
+    snapshot): the stream's configuration and state, and the snapshot's chunks (its messages
+    with their sequence numbers, and its consumers)."""
+    inbox = nc.new_inbox()
+    chunks: list[bytes] = []
+    done = asyncio.Event()
+
+    async def receive(msg: Any) -> None:
+        if msg.reply:
+            await nc.publish(msg.reply, b"")  # the flow control the server waits for
+        if msg.data:
+            chunks.append(msg.data)
+        else:
+            done.set()
+
+    sub = await nc.subscribe(inbox, cb=receive)
+    try:
+        reply = await nc.request(
+            f"$JS.API.STREAM.SNAPSHOT.{stream}",
+            json.dumps({"deliver_subject": inbox, "chunk_size": 64 * 1024}).encode(),
+            timeout=10,
+        )
+        meta = json.loads(reply.data)
+        assert "error" not in meta, meta
+        await asyncio.wait_for(done.wait(), timeout=30)
+    finally:
+        await sub.unsubscribe()
+    return meta, chunks
+
+
+async def restore(nc: Client, meta: dict[str, Any], chunks: list[bytes]) -> None:
+    """Restore a `snapshot` (as ``nats stream restore`` does); the stream must not exist."""
+    name = meta["config"]["name"]
+    reply = await nc.request(
+        f"$JS.API.STREAM.RESTORE.{name}",
+        json.dumps({"config": meta["config"], "state": meta["state"]}).encode(),
+        timeout=10,
+    )
+    started = json.loads(reply.data)
+    assert "error" not in started, started
+    for chunk in chunks:
+        await nc.request(started["deliver_subject"], chunk, timeout=10)
+    finished = json.loads((await nc.request(started["deliver_subject"], b"", timeout=30)).data)
+    assert "error" not in finished, finished
+
+
+async def task_statuses(pg_dsn: str) -> dict[str, str]:
+    return {row["task_id"]: row["status"] for row in await rows(pg_dsn, "tasks")}
+
+
+def tasks_of(prefix: str, count: int, *, worker: str = "mac", at: float = T0) -> list[Any]:
+    return [
+        task(f"{prefix}-{i}", worker=worker, at=at + i, total_ms=1000.0 + i) for i in range(count)
+    ]
+
+
+async def test_a_recreated_event_log_is_projected_and_what_the_old_one_counted_stays(
+    nats_server: NatsServer, pg_dsn: str
+) -> None:
+    async with bus(nats_server.url) as (nc, js):
+        first = await publish_tasks(js, tasks_of("old", 3))
+        async with running_stats(nc, settings_for(nats_server, pg_dsn)):
+            await eventually(lambda: acked(js, first), what="the first log to be projected")
+            # The log is lost (a new cluster, a lost volume): the next service to start makes
+            # EVENTS again, and its events are numbered from 1.
+            await js.delete_stream(EVENTS_STREAM)
+            await ensure_streams(js)
+            last = await publish_tasks(js, tasks_of("new", 6, worker="pc", at=T0 + 100))
+            await eventually(
+                lambda: acked(js, last), timeout_s=SWITCH_WAIT_S, what="the new log projected"
+            )
+            projected = await task_statuses(pg_dsn)
+            model = await read_model(pg_dsn)
+            rebuilt = await rebuild(nc)
+            statuses = await task_statuses(pg_dsn)
+            rebuilt_model = await read_model(pg_dsn)
+
+    assert first == 12 and last == 24
+    # Every task of the new log reached PostgreSQL; the old log's stay, until a rebuild.
+    assert projected == {f"old-{i}": "done" for i in range(3)} | {
+        f"new-{i}": "done" for i in range(6)
+    }
+    assert [r["stream_seq"] for r in model["projection_tracking"]] == list(range(1, 25))
+    assert [(r["stream_seq"], r["replaced_from"]) for r in model["replaced_tracking"]] == [
+        (seq, 1) for seq in range(1, 13)
+    ]
+    assert rebuilt["events"] == 24
+    assert statuses == {f"new-{i}": "done" for i in range(6)}
+    assert rebuilt_model["replaced_tracking"] == []
+
+
+async def test_a_log_restored_from_a_backup_is_the_same_log_and_nothing_is_applied_twice(
+    nats_server: NatsServer, pg_dsn: str
+) -> None:
+    async with bus(nats_server.url) as (nc, js):
+        last = await publish_tasks(js, tasks_of("t", 4))
+        async with running_stats(nc, settings_for(nats_server, pg_dsn)):
+            await eventually(lambda: acked(js, last), what="the log to be projected")
+            before = await read_model(pg_dsn)
+            created = (await js.stream_info(EVENTS_STREAM)).created
+            meta, chunks = await snapshot(nc, EVENTS_STREAM)
+            await js.delete_stream(EVENTS_STREAM)
+            await restore(nc, meta, chunks)
+            restored = await js.stream_info(EVENTS_STREAM)
+            # Every event comes again: the consumer made anew delivers the log from its start.
+            await js.delete_consumer(EVENTS_STREAM, STATS_CONSUMER)
+            more = await publish_tasks(js, tasks_of("after", 1, at=T0 + 50))
+            await eventually(
+                lambda: acked(js, more), timeout_s=SWITCH_WAIT_S, what="the log projected again"
+            )
+            info = await js.consumer_info(EVENTS_STREAM, STATS_CONSUMER)
+            await request(nc, "coordinator.stats", {})  # the figures brought up to date
+            after = await read_model(pg_dsn)
+
+    # The same events at the same positions, under another `created`: why the stream's
+    # creation time is no name for the log.
+    assert restored.state.last_seq == last
+    assert restored.created != created
+    assert info.delivered.stream_seq == more  # the whole log was delivered again
+    assert after["replaced_tracking"] == []
+    assert [r["stream_seq"] for r in after["projection_tracking"]] == list(range(1, more + 1))
+    assert after["projection_tracking"][:last] == before["projection_tracking"]
+    assert [(f["worker"], f["count"]) for f in after["figures"]] == [("mac", 5)]
+    assert len(after["outcomes"]) == 5
+
+
+async def test_a_log_restored_from_an_older_copy_has_its_new_events_projected(
+    nats_server: NatsServer, pg_dsn: str
+) -> None:
+    async with bus(nats_server.url) as (nc, js):
+        older = await publish_tasks(js, tasks_of("a", 2))
+        async with running_stats(nc, settings_for(nats_server, pg_dsn)):
+            await eventually(lambda: acked(js, older), what="the first tasks to be projected")
+            meta, chunks = await snapshot(nc, EVENTS_STREAM)
+            lost = await publish_tasks(js, tasks_of("b", 2, at=T0 + 10))
+            await eventually(lambda: acked(js, lost), what="the tasks the backup lacks")
+            # The server's store is lost; the backup is restored, without the b tasks.
+            await js.delete_stream(EVENTS_STREAM)
+            await restore(nc, meta, chunks)
+            # New tasks: their events take the positions the lost ones had.
+            last = await publish_tasks(js, tasks_of("c", 2, at=T0 + 20))
+            await eventually(
+                lambda: acked(js, last), timeout_s=SWITCH_WAIT_S, what="the new tasks projected"
+            )
+            projected = await task_statuses(pg_dsn)
+            model = await read_model(pg_dsn)
+            await rebuild(nc)
+            statuses = await task_statuses(pg_dsn)
+            after = await read_model(pg_dsn)
+
+    assert (older, lost, last) == (8, 16, 16)
+    assert projected == {f"{p}-{i}": "done" for p in "abc" for i in range(2)}
+    assert [(r["stream_seq"], r["replaced_from"]) for r in model["replaced_tracking"]] == [
+        (seq, 9) for seq in range(9, 17)
+    ]
+    assert statuses == {f"{p}-{i}": "done" for p in "ac" for i in range(2)}
+    assert after["replaced_tracking"] == []
+
+
+async def test_tables_from_before_digests_keep_their_rows_and_get_digests_at_start(
+    nats_server: NatsServer, pg_dsn: str
+) -> None:
+    settings = settings_for(nats_server, pg_dsn)
+    async with bus(nats_server.url) as (nc, js):
+        first = await publish_tasks(js, tasks_of("old", 2))
+        async with running_stats(nc, settings):
+            await eventually(lambda: acked(js, first), what="the log to be projected")
+        before = await read_model(pg_dsn)
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            # The tables as the release before this one left them.
+            await conn.execute(
+                "ALTER TABLE projection_tracking DROP COLUMN digest; DROP TABLE replaced_tracking"
+            )
+        finally:
+            await conn.close()
+
+        async with running_stats(nc, settings):
+
+            async def filled() -> dict[str, list[dict[str, Any]]] | None:
+                model = await read_model(pg_dsn)
+                tracked = model["projection_tracking"]
+                return model if all(r["digest"] is not None for r in tracked) else None
+
+            migrated = await eventually(filled, what="the digests to be filled in")
+            # The digests filled in are the log's: a new log is told from it.
+            await js.delete_stream(EVENTS_STREAM)
+            await ensure_streams(js)
+            last = await publish_tasks(js, tasks_of("new", 1, at=T0 + 10))
+            await eventually(
+                lambda: acked(js, last), timeout_s=SWITCH_WAIT_S, what="the new log projected"
+            )
+            statuses = await task_statuses(pg_dsn)
+
+    assert [r["stream_seq"] for r in migrated["projection_tracking"]] == list(range(1, 9))
+    # The very digests the projection had written: the events' own.
+    assert migrated["projection_tracking"] == before["projection_tracking"]
+    assert migrated["tasks"] == before["tasks"]
+    assert statuses == {"old-0": "done", "old-1": "done", "new-0": "done"}
+
+
+async def test_a_digest_tells_a_redelivery_from_another_event_at_the_same_position(
+    pg_dsn: str,
+) -> None:
+    [one, other] = [tasks_of(p, 1)[0][0] for p in ("one", "other")]
+    async with store_at(pg_dsn) as store:
+        assert await store.apply(1, one)
+        again = await store.apply(1, one)
+        replaced = await store.apply(1, other)
+        tracked = await rows(pg_dsn, "projection_tracking")
+        set_aside = await rows(pg_dsn, "replaced_tracking")
+        applied_one = await store.applied(1, tracked[0]["digest"])
+
+    assert (again, replaced) == (False, True)
+    assert [r["stream_seq"] for r in tracked] == [1]
+    assert [(r["stream_seq"], r["replaced_from"]) for r in set_aside] == [(1, 1)]
+    assert set_aside[0]["digest"] != tracked[0]["digest"]
+    assert applied_one
