@@ -207,6 +207,35 @@ class RebuildReply(Wire, frozen=True, kw_only=True):
     seconds: float
     events_per_s: float
     figures: int
+    parked: int = 0
+    """Events replayed that cannot be projected, recorded as parked (`ParkedView`)."""
+
+
+class ParkedQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.stats.parked``: the events the projection could not apply."""
+
+
+class ParkedView(Wire, frozen=True, kw_only=True):
+    """An event that decodes but cannot be projected (a time no table can hold, say): recorded
+    instead of applied, so it neither comes back for ever nor holds up the events after it. A
+    rebuild, after the cause is fixed, tries it again."""
+
+    stream: str
+    stream_seq: int
+    subject: str
+    kind: str
+    error: str
+    parked_at: float
+
+
+# How many parked events a `ParkedReply` lists (the newest); ``total`` counts them all.
+PARKED_LISTED: Final = 100
+
+
+class ParkedReply(Wire, frozen=True, kw_only=True):
+    parked: list[ParkedView]
+    """The newest first, at most `PARKED_LISTED`."""
+    total: int
 
 
 class BaselinesQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):

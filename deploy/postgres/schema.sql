@@ -193,9 +193,9 @@ CREATE TABLE IF NOT EXISTS bench_results (
 
 CREATE INDEX IF NOT EXISTS bench_results_key_idx ON bench_results (model, worker, prompt_key);
 
--- Which events each projection has applied. The row is written in the same transaction as
--- the projection's changes and (projection, stream_seq) is the primary key, so a redelivered
--- event is recognised and changes nothing. `digest` identifies the event at its
+-- Which events each projection has applied (or parked). The row is written in the same
+-- transaction as the projection's changes and (projection, stream_seq) is the primary key, so
+-- a redelivered event is recognised and changes nothing. `digest` identifies the event at its
 -- position (a digest of its subject and bytes, services/stats/tracking.py): an EVENTS stream
 -- recreated, or restored from an older copy, holds other events at positions already applied,
 -- and they are told apart by it. The stream's `created` time would not do: a restored backup
@@ -221,6 +221,21 @@ CREATE TABLE IF NOT EXISTS replaced_tracking (
     replaced_from  bigint NOT NULL,
     replaced_at    timestamptz NOT NULL,
     PRIMARY KEY (projection, replaced_at, stream_seq)
+);
+
+-- Events that decode but cannot be projected (a time no column holds, a value a check
+-- refuses, or a failure nothing explains, tried three times): recorded here, with a tracking
+-- row, instead of being tried for ever. A rebuild tries them again (`coordinator stats parked`
+-- lists them).
+CREATE TABLE IF NOT EXISTS parked_events (
+    stream      text NOT NULL,
+    stream_seq  bigint NOT NULL,
+    digest      bytea NOT NULL,
+    subject     text NOT NULL,
+    kind        text NOT NULL,
+    error       text NOT NULL,
+    parked_at   timestamptz NOT NULL,
+    PRIMARY KEY (stream_seq, digest)
 );
 
 -- Every worker instance the event log has announced, latest registration per worker id.

@@ -32,6 +32,7 @@ from schemas.stats import (
     ExclusionsReply,
     ExclusionView,
     IncludeRequest,
+    ParkedReply,
     RebuildReply,
     StatsQuery,
     StatsReply,
@@ -44,6 +45,7 @@ from schemas.subjects import (
     STATS_EXCLUDE,
     STATS_EXCLUSIONS,
     STATS_INCLUDE,
+    STATS_PARKED,
     STATS_REBUILD,
 )
 from services.cli.client import find_nats_url, open_client
@@ -53,6 +55,7 @@ from services.cli.stats_format import (
     exclusion_line,
     exclusions_lines,
     figures_lines,
+    parked_lines,
     rebuild_line,
 )
 from services.runtime.logging import setup_logging
@@ -111,6 +114,12 @@ def register(sub: Any) -> None:
     rebuild.add_argument("--timeout", type=timeout_arg, default=3600.0, help="seconds to wait")
     rebuild.add_argument("--json", action="store_true")
     rebuild.set_defaults(func=cmd_rebuild)
+
+    parked = actions.add_parser(
+        "parked", help="the events the projection could not apply (newest first)"
+    )
+    parked.add_argument("--json", action="store_true")
+    parked.set_defaults(func=cmd_parked)
 
     alias = sub.add_parser("alias", help="model aliases: several names, one statistics key")
     alias_actions = alias.add_subparsers(dest="alias_command", required=True, metavar="ACTION")
@@ -229,6 +238,16 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         print(body.decode())
         return 0
     print(rebuild_line(msgspec.json.decode(body, type=RebuildReply)))
+    return 0
+
+
+def cmd_parked(args: argparse.Namespace) -> int:
+    body = _request(STATS_PARKED, None)
+    if args.json:
+        print(body.decode())
+        return 0
+    for line in parked_lines(msgspec.json.decode(body, type=ParkedReply)):
+        print(line)
     return 0
 
 

@@ -4,8 +4,10 @@ Delivery is at least once and the store applies each event once (by its position
 `tracking`), so the rule is simple: ack only after the batch's transaction has committed. When
 PostgreSQL is away the batch is nak'ed with a delay and fetching pauses with a growing
 backoff; nothing is acked that was not stored. A message that is not a known event is
-terminated (logged), so it never blocks the stream; an event PostgreSQL can never store is
-found by applying the batch one event at a time, and terminated.
+terminated (logged), so it never blocks the stream. When a batch fails otherwise, its events
+are applied one at a time: one that cannot be applied is parked (`tracking.parks`: recorded
+with its tracking row, then terminated) at once when the failure is its own (`Unstorable`),
+after `tracking.UNEXPLAINED_TRIES` deliveries when nothing explains it; the others go on.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from opentelemetry import trace
 
 from schemas.events import kind_of
 from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS, STATS_CONSUMER
-from services.runtime.errors import Unavailable, Unstorable
+from services.runtime.errors import Unavailable
 from services.runtime.tracing import extract_context, spans_recorded
 from services.stats.projector import Item, item_of
 from services.stats.rebuild import replay
 from services.stats.rows import FigureKey
 from services.stats.store import Store
+from services.stats.tracking import parked_error, parks
 
 log = structlog.get_logger("stats")
 tracer = trace.get_tracer("coordinator.stats")
@@ -45,6 +48,9 @@ FETCH_TIMEOUT_S: Final = 1.0
 GATHER_S: Final = 0.02
 # Redelivery delay for events not stored because PostgreSQL was away.
 NAK_DELAY_S: Final = 1.0
+# Redelivery delay for an event whose applying failed in a way nothing explains: it is tried
+# again this much later (at most `tracking.UNEXPLAINED_TRIES` times), the others go on.
+RETRY_DELAY_S: Final = 5.0
 # Pauses between attempts while PostgreSQL (or the bus) is away: 1, 2, 4, 5, 5… seconds.
 BACKOFF_FIRST_S: Final = 1.0
 BACKOFF_MAX_S: Final = 5.0
@@ -71,6 +77,7 @@ class Counters:
     duplicates: int = 0
     terminated: int = 0
     retried: int = 0
+    parked: int = 0
 
 
 class ProjectionConsumer:
@@ -78,6 +85,7 @@ class ProjectionConsumer:
 
     ``touched`` is told the figure keys each stored batch may have changed. ``batch_lock`` is
     held while a batch is applied; a rebuild holds it from its catch-up to the swap.
+    ``retry_delay_s``: how much later an event whose failure nothing explains comes again.
     """
 
     def __init__(
@@ -88,6 +96,7 @@ class ProjectionConsumer:
         batch_size: int,
         stopping: asyncio.Event,
         touched: Callable[[set[FigureKey]], None],
+        retry_delay_s: float = RETRY_DELAY_S,
     ) -> None:
         self.js = js
         self.store = store
@@ -96,6 +105,7 @@ class ProjectionConsumer:
         self.batch_lock = asyncio.Lock()
         self._stopping = stopping
         self._touched = touched
+        self._retry_delay_s = retry_delay_s
         self._batch_started_ns = 0
 
     async def ensure_consumer(self) -> None:
@@ -133,15 +143,29 @@ class ProjectionConsumer:
 
     async def _apply_in_order(self, items: list[Item]) -> int:
         """One catch-up batch, under the batch lock; one event at a time when the batch
-        fails (an event PostgreSQL cannot store is left to the consumer's redelivery)."""
+        fails: one whose failure is its own (`Unstorable`) is parked, any other left to the
+        consumer's redelivery, which counts its tries. `Unavailable` ends the catch-up."""
         async with self.batch_lock:
             try:
                 results = [await self.store.apply_batch(items)]
-            except Unstorable:
+            except Unavailable:
+                raise
+            except Exception:
                 results = []
                 for item in items:
-                    with suppress(Unstorable):
+                    try:
                         results.append(await self.store.apply_batch([item]))
+                    except Unavailable:
+                        raise
+                    except Exception as exc:
+                        if parks(exc, tries=1):
+                            await self._park(item, exc, EVENTS_STREAM)
+                        else:
+                            log.warning(
+                                "catch-up: applying an event failed; its redelivery tries again",
+                                stream_seq=item.seq,
+                                error=parked_error(exc),
+                            )
         applied = 0
         for projected in results:
             self._touched(projected.touched)
@@ -216,18 +240,10 @@ class ProjectionConsumer:
         try:
             projected = await self.store.apply_batch([item for _, item in decoded])
         except Unavailable as exc:
-            log.warning(
-                "database unavailable; events will be redelivered",
-                error=exc.message,
-                nak_count=len(decoded),
-            )
-            self.counters.retried += len(decoded)
-            for msg, _ in decoded:
-                with suppress(Exception):
-                    await msg.nak(delay=NAK_DELAY_S)
+            await self._nak_rest(decoded, exc)
             return False
         except Exception as exc:
-            # One event PostgreSQL cannot store, or a bug: find it by going one by one.
+            # One event that cannot be applied, or a bug: find it by going one by one.
             log.warning("batch not applied; applying its events one by one", error=repr(exc))
             return await self._apply_each(decoded)
         for msg, item in decoded:
@@ -247,34 +263,54 @@ class ProjectionConsumer:
             with _bound(msg, item):
                 try:
                     projected = await self.store.apply_batch([item])
-                except Unstorable as exc:
-                    log.error("event cannot be stored; terminated", error=exc.message)
-                    self.counters.terminated += 1
+                except Unavailable as exc:
+                    await self._nak_rest(decoded[index:], exc)
+                    return False
+                except Exception as exc:
+                    tries = msg.metadata.num_delivered or 1
+                    if not parks(exc, tries):
+                        # Nothing explains it: set this one event aside for a while, go on.
+                        log.exception("projecting an event failed; it comes again", tries=tries)
+                        self.counters.retried += 1
+                        with suppress(Exception):
+                            await msg.nak(delay=self._retry_delay_s)
+                        continue
+                    try:
+                        await self._park(item, exc, msg.metadata.stream)
+                    except Unavailable as unavailable:
+                        await self._nak_rest(decoded[index:], unavailable)
+                        return False
                     with suppress(Exception):
                         await msg.term()
-                    continue
-                except Unavailable as exc:
-                    rest = decoded[index:]
-                    log.warning(
-                        "database unavailable; events will be redelivered",
-                        error=exc.message,
-                        nak_count=len(rest),
-                    )
-                    self.counters.retried += len(rest)
-                    for pending, _ in rest:
-                        with suppress(Exception):
-                            await pending.nak(delay=NAK_DELAY_S)
-                    return False
-                except Exception:
-                    # A bug, not the database: set this one event aside for a while, go on.
-                    log.exception("projecting an event failed")
-                    self.counters.retried += 1
-                    with suppress(Exception):
-                        await msg.nak(delay=BACKOFF_MAX_S)
                     continue
             await self._ack(msg, item, applied=bool(projected.applied))
             self._touched(projected.touched)
         return True
+
+    async def _park(self, item: Item, error: Exception, stream: str) -> None:
+        """Record ``item`` as parked (`Store.park`), with its one error line."""
+        reason = parked_error(error)
+        if await self.store.park(item, reason, stream):
+            self.counters.parked += 1
+        log.error(
+            "event parked: it cannot be projected",
+            stream_seq=item.seq,
+            subject=item.subject,
+            kind=kind_of(item.event),
+            error=reason,
+        )
+
+    async def _nak_rest(self, pending: list[tuple[Msg, Item]], exc: Unavailable) -> None:
+        """PostgreSQL is away: every event not stored comes again (after `NAK_DELAY_S`)."""
+        log.warning(
+            "database unavailable; events will be redelivered",
+            error=exc.message,
+            nak_count=len(pending),
+        )
+        self.counters.retried += len(pending)
+        for msg, _ in pending:
+            with suppress(Exception):
+                await msg.nak(delay=NAK_DELAY_S)
 
     async def _ack(self, msg: Msg, item: Item, *, applied: bool) -> None:
         """Ack a committed event, with its one (debug) log line, in a ``project event`` span

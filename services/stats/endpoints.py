@@ -2,7 +2,8 @@
 
 ``coordinator.task``, ``coordinator.stats``, ``coordinator.stats.exclude`` / ``.include`` /
 ``.exclusions``, ``coordinator.stats.alias.add`` / ``.alias.remove``,
-``coordinator.stats.aliases``, ``coordinator.stats.rebuild`` and ``coordinator.stats.baselines``.
+``coordinator.stats.aliases``, ``coordinator.stats.rebuild``, ``coordinator.stats.baselines``
+and ``coordinator.stats.parked``.
 Operator decisions (exclusions, aliases) are published as events and the reply comes once they
 are projected, so a ``coordinator stats`` right after shows their effect.
 
@@ -43,6 +44,8 @@ from schemas.stats import (
     ExclusionsReply,
     ExclusionView,
     IncludeRequest,
+    ParkedQuery,
+    ParkedReply,
     RebuildReply,
     RebuildRequest,
     StatsQuery,
@@ -58,6 +61,7 @@ from schemas.subjects import (
     STATS_EXCLUDE,
     STATS_EXCLUSIONS,
     STATS_INCLUDE,
+    STATS_PARKED,
     STATS_REBUILD,
     TASK,
     task_events,
@@ -118,6 +122,7 @@ class StatsEndpoints:
             ("aliases", ALIASES, self.handle_aliases),
             ("rebuild", STATS_REBUILD, self.handle_rebuild),
             ("baselines", STATS_BASELINES, self.handle_baselines),
+            ("parked", STATS_PARKED, self.handle_parked),
         ]
 
     async def handle_task(self, body: bytes) -> bytes:
@@ -252,6 +257,7 @@ class StatsEndpoints:
                 seconds=result.seconds,
                 events_per_s=result.events_per_s,
                 figures=result.figures,
+                parked=result.parked,
             )
         )
 
@@ -266,6 +272,13 @@ class StatsEndpoints:
             )
         ]
         return encoder.encode(BaselinesReply(baselines=baselines))
+
+    async def handle_parked(self, body: bytes) -> bytes:
+        """``coordinator.stats.parked``: the events the projection could not apply, newest
+        first, and how many there are."""
+        decode_request(body, ParkedQuery, "parked query")
+        parked, total = await self.store.parked()
+        return encoder.encode(ParkedReply(parked=parked, total=total))
 
     async def _publish(self, event: AnyEvent, msg_id: str | None = None) -> None:
         try:

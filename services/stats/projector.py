@@ -25,6 +25,10 @@ A batch is applied in stream order:
 
 Exclusions and aliases thus apply to history as well as to what comes after them, live and on
 a rebuild alike.
+
+An event that decodes but cannot be applied (`tracking.parks` says which) is recorded instead
+(`park`: its tracking row and a ``parked_events`` row), so it is never tried for ever and
+never holds up the events after it.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ from schemas.events import (
     WorkerRegistered,
     any_event_decoder,
     encoder,
+    kind_of,
     subject_for,
 )
-from schemas.subjects import task_event_source
+from schemas.subjects import EVENTS_STREAM, task_event_source
 from services.fleet.aliases import resolve
 from services.fleet.binding import refusal
 from services.stats.other_events import apply_other
@@ -58,6 +63,7 @@ from services.stats.rows import (
     TASKS_PROJECTION,
     Connection,
     FigureKey,
+    clean,
     outcome_values,
     row_from_state,
     state_from_row,
@@ -133,6 +139,13 @@ WITH moved AS (
 INSERT INTO replaced_tracking (projection, stream_seq, digest, replaced_from, replaced_at)
 SELECT $1, stream_seq, digest, $2, now() FROM moved
 """
+_PARK: Final = """
+INSERT INTO parked_events (stream, stream_seq, digest, subject, kind, error, parked_at)
+VALUES ($1, $2, $3, $4, $5, $6, now())
+ON CONFLICT DO NOTHING
+"""
+# A parked event's error, as recorded: enough to say what went wrong.
+PARKED_ERROR_CHARS: Final = 2000
 _INSERT_OUTCOME: Final = """
 INSERT INTO outcomes (task_id, attempt, model, raw_model, domain, worker, ok, total_ms, load_ms,
                       eval_ms, eval_tokens, first_token_ms, ended_at, stream_seq)
@@ -248,6 +261,24 @@ async def track(conn: Connection, items: Sequence[Item]) -> Positions:
 
 def _digests(items: Sequence[Item]) -> list[bytes]:
     return [item.digest for item in items]
+
+
+async def park(conn: Connection, item: Item, error: str, stream: str = EVENTS_STREAM) -> bool:
+    """Record ``item`` as parked (it cannot be applied: ``error``) with its tracking row, so
+    that it is handled, once; False when its position was handled before. In the caller's
+    transaction."""
+    if not (await track(conn, [item])).fresh[0]:
+        return False
+    await conn.execute(
+        _PARK,
+        stream,
+        item.seq,
+        item.digest,
+        clean(item.subject),
+        kind_of(item.event),
+        clean(error)[:PARKED_ERROR_CHARS],
+    )
+    return True
 
 
 async def load_aliases(conn: Connection) -> dict[str, str]:

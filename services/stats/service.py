@@ -209,6 +209,7 @@ class StatsService:
             duplicates=c.duplicates,
             terminated=c.terminated,
             retried=c.retried,
+            parked=c.parked,
         )
 
 

@@ -5,7 +5,7 @@ Events are applied in batches, each in one transaction together with its trackin
 event was applied there (`tracking`), so an event delivered twice is recognised and changes
 nothing, and another event at a position already applied is not taken for it. The writes
 themselves are `projector.project`, shared with the rebuild; the state logic is the pure
-`projection.evolve`.
+`projection.evolve`. An event that cannot be applied is parked (`park`).
 
 Database failures leave this module as the project's own errors: `Unavailable` when retrying
 may help (connection lost, server restarting, timeouts, any other server error), `Unstorable`
@@ -27,12 +27,20 @@ from asyncpg import Record
 
 from schemas.events import AnyEvent
 from schemas.queries import TaskView
-from schemas.stats import AliasView, ExclusionView, FigureView, StatsQuery
+from schemas.stats import (
+    PARKED_LISTED,
+    AliasView,
+    ExclusionView,
+    FigureView,
+    ParkedView,
+    StatsQuery,
+)
+from schemas.subjects import EVENTS_STREAM
 from services.fleet.aliases import resolve
 from services.runtime.errors import Unavailable, Unstorable
 from services.stats.figure_rows import FIGURE_COLUMNS, NOT_EXCLUDED, refresh_figures
 from services.stats.projection import TaskState, to_view
-from services.stats.projector import Item, Projected, item_for, load_aliases, project
+from services.stats.projector import Item, Projected, item_for, load_aliases, park, project
 from services.stats.rows import (
     PROJECTION_LOCK,
     SELECT_TASK,
@@ -137,6 +145,14 @@ class Store:
                 # Figures are recomputed apart (`refresh_figures`): a percentile over a key's
                 # whole history in every batch made a batch slower the longer the log grew.
                 return await project(conn, items)
+
+    async def park(self, item: Item, error: str, stream: str = EVENTS_STREAM) -> bool:
+        """Record ``item`` as parked instead of applying it (`projector.park`), in its own
+        transaction; False when its position was handled before. Raises `Unavailable`."""
+        with database_errors(writing=True):
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock_shared($1)", PROJECTION_LOCK)
+                return await park(conn, item, error, stream)
 
     async def undigested(self) -> tuple[int, int] | None:
         """The lowest and highest position of the tracking rows written before digests were
@@ -311,6 +327,29 @@ class Store:
                     digest,
                 )
         return bool(found)
+
+    async def parked(self) -> tuple[list[ParkedView], int]:
+        """The newest parked events (at most `PARKED_LISTED`), and how many there are."""
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                rows = await conn.fetch(
+                    "SELECT stream, stream_seq, subject, kind, error, parked_at, "
+                    "count(*) OVER () AS total FROM parked_events "
+                    "ORDER BY parked_at DESC, stream_seq DESC LIMIT $1",
+                    PARKED_LISTED,
+                )
+        views = [
+            ParkedView(
+                stream=r["stream"],
+                stream_seq=r["stream_seq"],
+                subject=r["subject"],
+                kind=r["kind"],
+                error=r["error"],
+                parked_at=r["parked_at"].timestamp(),
+            )
+            for r in rows
+        ]
+        return views, int(rows[0]["total"]) if rows else 0
 
     async def last_seq(self) -> int:
         """The highest stream sequence this projection has applied (0 if none)."""

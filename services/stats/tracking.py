@@ -1,4 +1,5 @@
-"""Which events the projection has applied: positions in ``EVENTS`` checked by content. Pure.
+"""Which events the projection has handled: applied ones, by position in ``EVENTS`` checked by
+content, and parked ones. Pure.
 
 A tracking row holds an event's stream position and a digest of the event (its subject and
 bytes, `event_digest`). A position alone does not name an event: ``EVENTS`` recreated (a new
@@ -15,6 +16,15 @@ applied there: from the lowest such position on, the tracking rows are set aside
 when and from where, in ``replaced_tracking``) and the events are applied as new ones. What
 the set-aside events did to the tables stays until a rebuild, which counts only what the log
 holds; ``coordinator doctor`` says so.
+
+An event that cannot be applied is parked (`parks`): recorded, with its tracking row, instead
+of being tried for ever. What tells it from a failure that passes is the error's kind, decided
+where it arises: `Unavailable` (PostgreSQL or the bus away, a timeout, any server error but a
+data one) passes, and the event is tried again for as long as it takes; `Unstorable` (a value
+no column holds, a check it breaks: SQLSTATE classes 22 and 23, or a time out of range found
+before PostgreSQL is asked) is the event's own, and the same event would hit it again. A
+failure neither explains (a bug) is tried a few times, then parked: it may be the event's,
+and tried for ever it would come back every few seconds and never end.
 """
 
 from __future__ import annotations
@@ -24,7 +34,11 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from services.runtime.errors import CoordinatorError, Unavailable, Unstorable
+
 DIGEST_BYTES: Final = 16
+# How many times an event whose applying fails in a way nothing explains is tried.
+UNEXPLAINED_TRIES: Final = 3
 
 
 def event_digest(subject: str, data: bytes) -> bytes:
@@ -78,3 +92,19 @@ def sort_positions(
         renewed = replaced_from is not None and seq >= replaced_from
         fresh.append(first and (seq in written or renewed))
     return Positions(tuple(fresh), replaced_from)
+
+
+def parks(error: Exception, tries: int) -> bool:
+    """Whether an event whose applying raised ``error``, on its ``tries``-th try, is parked
+    rather than tried again: `Unavailable` never, `Unstorable` at once, anything else from
+    its `UNEXPLAINED_TRIES`-th try on."""
+    if isinstance(error, Unavailable):
+        return False
+    return isinstance(error, Unstorable) or tries >= UNEXPLAINED_TRIES
+
+
+def parked_error(error: Exception) -> str:
+    """What a parked event's record says went wrong."""
+    if isinstance(error, CoordinatorError):
+        return error.message
+    return f"{type(error).__name__}: {error}"

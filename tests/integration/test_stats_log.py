@@ -1,28 +1,37 @@
-"""The read model when ``EVENTS`` changes under it, against a real nats-server and a real
-PostgreSQL.
+"""The read model when ``EVENTS`` changes under it, and events that cannot be projected,
+against a real nats-server and a real PostgreSQL.
 
 A position in ``EVENTS`` does not name an event: the stream recreated (a new cluster, a lost
 volume) numbers its events from 1 again, one restored from an older backup numbers its new
 events where the lost ones were, and one restored from a backup holds the same events under a
 new ``created`` time. The projection tells them apart by the events themselves (a digest of
-each), so nothing is skipped as applied and nothing is applied twice.
+each), so nothing is skipped as applied and nothing is applied twice. An event that cannot be
+projected (an exclusion from an old log whose time no table holds) is parked, and neither
+wedges the projection nor fails a rebuild.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from structlog.testing import capture_logs
 
 from devtools.servers import NatsServer
-from schemas.subjects import EVENTS_STREAM, STATS_CONSUMER
-from services.runtime.bus import ensure_streams
-from tests.harness import request
+from schemas.events import AnyEvent, ExclusionAdded, QualityScored, TaskCompleted
+from schemas.subjects import EVENTS_STREAM, STATS_CONSUMER, STATS_PARKED
+from services.runtime.bus import ensure_streams, publish_event
+from services.stats.consumer import ProjectionConsumer, consumer_config
+from services.stats.projector import Projected
+from services.stats.store import Store
+from services.stats.tracking import UNEXPLAINED_TRIES
+from tests.harness import clean_env, request, run_cli
 from tests.integration.test_stats import (
     all_acked,
     bus,
@@ -207,6 +216,131 @@ async def test_a_log_restored_from_an_older_copy_has_its_new_events_projected(
     assert after["replaced_tracking"] == []
 
 
+# Exclusions as an old log holds them (recorded before their times were checked), and a
+# verdict whose score the quality table refuses.
+UNPROJECTABLE: list[AnyEvent] = [
+    *(
+        ExclusionAdded(
+            at=T0, exclusion_id=f"x-bad-{i}", worker="mac", since=since, reason="old log"
+        )
+        for i, since in enumerate([1e308, 2.0**63, -1e18, 1.7e12])  # the last: milliseconds
+    ),
+    QualityScored(
+        at=T0,
+        task_id="ok-0",
+        attempt=1,
+        verdict="scored",
+        score=7.0,
+        rubric="code",
+        judge_model="judge:1b",
+        judge_host="http://judge:11434",
+    ),
+]
+
+
+PARKED_LINE = "event parked: it cannot be projected"
+
+
+async def test_events_that_cannot_be_projected_are_parked_and_the_rest_projected(
+    nats_server: NatsServer, pg_dsn: str, tmp_path: Path
+) -> None:
+    env = clean_env(NATS_URL=nats_server.url, COORDINATOR_HOME=str(tmp_path))
+    async with bus(nats_server.url) as (nc, js):
+        await publish_tasks(js, tasks_of("ok", 1))
+        for event in UNPROJECTABLE:
+            await publish_event(js, event)
+        last = await publish_tasks(js, tasks_of("later", 2, at=T0 + 10))
+        with capture_logs() as logs:
+            async with running_stats(nc, settings_for(nats_server, pg_dsn)):
+                await eventually(lambda: acked(js, last), what="every event handled")
+                statuses = await task_statuses(pg_dsn)
+                exclusions = await rows(pg_dsn, "exclusions")
+                parked, headers = await request(nc, STATS_PARKED, {})
+                listed = await asyncio.to_thread(run_cli, "stats", "parked", env=env)
+                said = [e["stream_seq"] for e in logs if e["event"] == PARKED_LINE]
+                rebuilt = await rebuild(nc)
+                again, _ = await request(nc, STATS_PARKED, {})
+
+    assert statuses == {"ok-0": "done", "later-0": "done", "later-1": "done"}
+    assert exclusions == []
+    assert "Nats-Service-Error-Code" not in headers, parked
+    assert parked["total"] == 5
+    by_seq = {p["stream_seq"]: p for p in parked["parked"]}
+    assert sorted(by_seq) == list(range(5, 10))
+    kinds = [by_seq[seq]["kind"] for seq in range(5, 10)]
+    assert kinds == ["exclusion_added"] * 4 + ["quality_scored"]
+    assert by_seq[5]["error"] == "time 1e+308 is out of range (epoch seconds within years 1-9999)"
+    assert "out of range" in by_seq[8]["error"]  # milliseconds: year 55,000
+    assert "quality_score_check" in by_seq[9]["error"]  # a check PostgreSQL holds
+    assert {p["subject"] for p in parked["parked"]} >= {"events.stats.exclusion.added"}
+    assert sorted(said) == list(range(5, 10))  # one error line each
+
+    assert listed.returncode == 0, listed.stderr
+    assert "EVENTS #5  exclusion_added  events.stats.exclusion.added" in listed.stdout
+
+    # A rebuild replays them: parked again, never a failure.
+    assert rebuilt["parked"] == 5
+    assert rebuilt["events"] == last - 5
+    assert again["total"] == 5
+
+
+class FailsOn(Store):
+    """The read model, but applying any batch that holds ``task_id``'s completion raises what
+    no rule explains (as a bug in the projection would)."""
+
+    failing_task = ""
+
+    async def apply_batch(self, items: Any) -> Projected:
+        if any(
+            isinstance(i.event, TaskCompleted) and i.event.task_id == self.failing_task
+            for i in items
+        ):
+            raise RuntimeError("a bug in the projection")
+        return await super().apply_batch(items)
+
+
+async def test_an_event_whose_failure_nothing_explains_is_tried_then_parked(
+    nats_server: NatsServer, pg_dsn: str
+) -> None:
+    async with bus(nats_server.url) as (_, js), store_at(pg_dsn):
+        last = await publish_tasks(js, tasks_of("t", 3))
+        store = await FailsOn.connect(pg_dsn)
+        store.failing_task = "t-1"
+        await js.add_consumer(EVENTS_STREAM, consumer_config())
+        sub = await js.pull_subscribe_bind(durable=STATS_CONSUMER, stream=EVENTS_STREAM)
+        stopping = asyncio.Event()
+        consumer = ProjectionConsumer(
+            js,
+            store,
+            batch_size=16,
+            stopping=stopping,
+            touched=lambda keys: None,
+            retry_delay_s=0.2,
+        )
+        running = asyncio.create_task(consumer.run(sub))
+        try:
+            with capture_logs() as logs:
+                await eventually(lambda: all_acked(js, last), what="every event handled")
+        finally:
+            stopping.set()
+            await running
+            await store.close()
+        parked = await rows(pg_dsn, "parked_events")
+        statuses = await task_statuses(pg_dsn)
+
+    [record] = parked
+    assert (record["kind"], record["error"]) == (
+        "completed",
+        "RuntimeError: a bug in the projection",
+    )
+    assert record["subject"] == "events.task.t-1.mac.completed"
+    assert statuses == {"t-0": "done", "t-1": "running", "t-2": "done"}
+    assert consumer.counters.parked == 1
+    assert consumer.counters.retried == UNEXPLAINED_TRIES - 1
+    tries = [e["tries"] for e in logs if e["event"] == "projecting an event failed; it comes again"]
+    assert tries == list(range(1, UNEXPLAINED_TRIES))
+
+
 async def test_tables_from_before_digests_keep_their_rows_and_get_digests_at_start(
     nats_server: NatsServer, pg_dsn: str
 ) -> None:
@@ -220,7 +354,8 @@ async def test_tables_from_before_digests_keep_their_rows_and_get_digests_at_sta
         try:
             # The tables as the release before this one left them.
             await conn.execute(
-                "ALTER TABLE projection_tracking DROP COLUMN digest; DROP TABLE replaced_tracking"
+                "ALTER TABLE projection_tracking DROP COLUMN digest; "
+                "DROP TABLE replaced_tracking; DROP TABLE parked_events"
             )
         finally:
             await conn.close()

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from schemas.stats import FigureView
+from schemas.stats import FigureView, ParkedReply, ParkedView, RebuildReply
 from services.cli.main import build_parser
 from services.cli.stats_args import parse_time, timeout_arg
 from services.cli.stats_commands import (
@@ -18,10 +18,11 @@ from services.cli.stats_commands import (
     cmd_exclude,
     cmd_figures,
     cmd_judge,
+    cmd_parked,
     cmd_serve,
     judge_environment,
 )
-from services.cli.stats_format import figures_table
+from services.cli.stats_format import figures_table, parked_lines, rebuild_line
 from services.runtime.errors import ConfigError
 from services.stats.baseline import Comparison
 from services.stats.bench_prompts import BUILTIN_PROMPTS
@@ -95,6 +96,7 @@ def test_a_timeout_must_be_seconds_up_to_a_day(text: str) -> None:
     ("argv", "func"),
     [
         (["stats"], cmd_figures),
+        (["stats", "parked"], cmd_parked),
         (["stats", "--json"], cmd_figures),
         (["stats", "serve"], cmd_serve),
         (["stats", "exclude", "--worker", "w", "--since", "1h ago", "--reason", "r"], cmd_exclude),
@@ -260,3 +262,40 @@ def test_bench_progress_reasons_table_and_warnings() -> None:
     assert report.exit_status == 1  # a failure outweighs the slowness
     assert BenchReport("r", report.results[:1], report.comparisons).exit_status == 3
     assert BenchReport("r", report.results[:1], []).exit_status == 0
+
+
+def test_parked_events_are_listed_newest_first_with_what_is_left_out() -> None:
+    views = [
+        ParkedView(
+            stream="EVENTS",
+            stream_seq=seq,
+            subject="events.stats.exclusion.added",
+            kind="exclusion_added",
+            error="time 1e+308 is out of range",
+            parked_at=NOW,
+        )
+        for seq in (9, 5)
+    ]
+
+    lines = parked_lines(ParkedReply(parked=views, total=3))
+
+    assert lines[0].startswith("EVENTS #9  exclusion_added  events.stats.exclusion.added  parked ")
+    assert lines[0].endswith(": time 1e+308 is out of range")
+    assert lines[2:] == [
+        "… and 1 older",
+        "a rebuild (coordinator stats rebuild) tries them again once the cause is fixed",
+    ]
+    assert parked_lines(ParkedReply(parked=[], total=0)) == ["no parked events"]
+
+
+def test_a_rebuild_says_how_many_events_it_parked() -> None:
+    reply = RebuildReply(
+        events=10, last_seq=12, seconds=0.5, events_per_s=20.0, figures=3, parked=2
+    )
+
+    assert rebuild_line(reply) == (
+        "rebuilt from 10 events (up to #12) in 0.5 s (20 events/s); 3 figure rows; "
+        "2 event(s) parked (coordinator stats parked)"
+    )
+    clean = RebuildReply(events=10, last_seq=10, seconds=0.5, events_per_s=20.0, figures=3)
+    assert rebuild_line(clean).endswith("3 figure rows")

@@ -1,12 +1,22 @@
-"""The stats projection's pure rule of which events were applied: positions checked by
-digest."""
+"""The stats projection's pure rules: which events were applied (positions checked by digest),
+which failures park an event, which times a table holds."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
+from schemas.stats import LATEST_S
+from services.runtime.errors import Unavailable, Unstorable
+from services.stats.rows import timestamp
 from services.stats.tracking import (
     DIGEST_BYTES,
+    UNEXPLAINED_TRIES,
     Positions,
     event_digest,
+    parked_error,
+    parks,
     sort_positions,
 )
 
@@ -63,3 +73,47 @@ def test_a_position_twice_in_a_batch_is_applied_once() -> None:
     positions = sort_positions([(1, A), (1, A), (2, B)], written={1, 2}, tracked={})
 
     assert positions.fresh == (True, False, True)
+
+
+@pytest.mark.parametrize(
+    ("error", "tries", "parked"),
+    [
+        (Unavailable("PostgreSQL unreachable"), 1, False),
+        (Unavailable("PostgreSQL unreachable"), 1000, False),
+        (Unstorable("time 1e+308 is out of range"), 1, True),
+        (RuntimeError("a bug"), 1, False),
+        (RuntimeError("a bug"), UNEXPLAINED_TRIES - 1, False),
+        (RuntimeError("a bug"), UNEXPLAINED_TRIES, True),
+        (KeyError("model"), UNEXPLAINED_TRIES + 5, True),
+    ],
+)
+def test_an_event_is_parked_when_its_failure_is_its_own_or_keeps_coming(
+    error: Exception, tries: int, parked: bool
+) -> None:
+    assert parks(error, tries) is parked
+
+
+def test_a_parked_event_says_what_went_wrong() -> None:
+    assert parked_error(Unstorable("time 1e+308 is out of range")) == "time 1e+308 is out of range"
+    assert parked_error(OverflowError("date value out of range")) == (
+        "OverflowError: date value out of range"
+    )
+
+
+@pytest.mark.parametrize("at", [1e308, 2.0**63, -1e18, 1.7e12, math.inf, -math.inf, math.nan])
+def test_a_time_no_column_holds_is_unstorable_not_an_overflow(at: float) -> None:
+    with pytest.raises(Unstorable, match="out of range"):
+        timestamp(at)
+
+
+@pytest.mark.parametrize(
+    ("at", "iso"),
+    [
+        (0.0, "1970-01-01T00:00:00+00:00"),
+        (-62_135_596_800.0, "0001-01-01T00:00:00+00:00"),
+        (LATEST_S, "9999-12-31T23:59:59+00:00"),
+        (math.nextafter(LATEST_S + 1, 0), "9999-12-31T23:59:59.999969+00:00"),
+    ],
+)
+def test_every_time_a_column_holds_is_stored(at: float, iso: str) -> None:
+    assert timestamp(at).isoformat() == iso
