@@ -213,7 +213,8 @@ ALTER TABLE projection_tracking ADD COLUMN IF NOT EXISTS digest bytea;
 
 -- Tracking rows set aside because the log came to hold other events at their positions (from
 -- `replaced_from` on, noticed at `replaced_at`): events of a log EVENTS no longer holds. What
--- they counted stays in the tables until `coordinator stats rebuild`.
+-- they counted stays in the tables until `coordinator stats rebuild`; `coordinator doctor`
+-- says so while any are here.
 CREATE TABLE IF NOT EXISTS replaced_tracking (
     projection     text NOT NULL,
     stream_seq     bigint NOT NULL,
@@ -226,7 +227,7 @@ CREATE TABLE IF NOT EXISTS replaced_tracking (
 -- Events that decode but cannot be projected (a time no column holds, a value a check
 -- refuses, or a failure nothing explains, tried three times): recorded here, with a tracking
 -- row, instead of being tried for ever. A rebuild tries them again (`coordinator stats parked`
--- lists them).
+-- lists them, `coordinator doctor` counts them).
 CREATE TABLE IF NOT EXISTS parked_events (
     stream      text NOT NULL,
     stream_seq  bigint NOT NULL,

@@ -5,7 +5,8 @@ A position in ``EVENTS`` does not name an event: the stream recreated (a new clu
 volume) numbers its events from 1 again, one restored from an older backup numbers its new
 events where the lost ones were, and one restored from a backup holds the same events under a
 new ``created`` time. The projection tells them apart by the events themselves (a digest of
-each), so nothing is skipped as applied and nothing is applied twice. An event that cannot be
+each), so nothing is skipped as applied and nothing is applied twice; ``coordinator doctor``
+names a read model that holds events ``EVENTS`` no longer holds. An event that cannot be
 projected (an exclusion from an old log whose time no table holds) is parked, and neither
 wedges the projection nor fails a rebuild.
 """
@@ -26,6 +27,8 @@ from structlog.testing import capture_logs
 from devtools.servers import NatsServer
 from schemas.events import AnyEvent, ExclusionAdded, QualityScored, TaskCompleted
 from schemas.subjects import EVENTS_STREAM, STATS_CONSUMER, STATS_PARKED
+from services.cli.doctor import run_doctor
+from services.cli.doctor_checks import Check
 from services.runtime.bus import ensure_streams, publish_event
 from services.stats.consumer import ProjectionConsumer, consumer_config
 from services.stats.projector import Projected
@@ -103,6 +106,11 @@ async def restore(nc: Client, meta: dict[str, Any], chunks: list[bytes]) -> None
     assert "error" not in finished, finished
 
 
+async def doctor_says(nats_server: NatsServer, pg_dsn: str) -> dict[str, Check]:
+    checks = await run_doctor(nats_server.url, pg_dsn=pg_dsn)
+    return {check.name: check for check in checks}
+
+
 async def task_statuses(pg_dsn: str) -> dict[str, str]:
     return {row["task_id"]: row["status"] for row in await rows(pg_dsn, "tasks")}
 
@@ -113,7 +121,7 @@ def tasks_of(prefix: str, count: int, *, worker: str = "mac", at: float = T0) ->
     ]
 
 
-async def test_a_recreated_event_log_is_projected_and_what_the_old_one_counted_stays(
+async def test_a_recreated_event_log_is_projected_and_the_doctor_says_what_it_still_counts(
     nats_server: NatsServer, pg_dsn: str
 ) -> None:
     async with bus(nats_server.url) as (nc, js):
@@ -130,7 +138,9 @@ async def test_a_recreated_event_log_is_projected_and_what_the_old_one_counted_s
             )
             projected = await task_statuses(pg_dsn)
             model = await read_model(pg_dsn)
+            switched = await doctor_says(nats_server, pg_dsn)
             rebuilt = await rebuild(nc)
+            after = await doctor_says(nats_server, pg_dsn)
             statuses = await task_statuses(pg_dsn)
             rebuilt_model = await read_model(pg_dsn)
 
@@ -143,9 +153,17 @@ async def test_a_recreated_event_log_is_projected_and_what_the_old_one_counted_s
     assert [(r["stream_seq"], r["replaced_from"]) for r in model["replaced_tracking"]] == [
         (seq, 1) for seq in range(1, 13)
     ]
+    check = switched["read model"]
+    assert check.status == "problem"
+    assert "still counts 12 event(s) of an event log EVENTS no longer holds" in check.detail
+    assert "held others from #1 on" in check.detail
+    assert "run `coordinator stats rebuild`" in check.detail
+
     assert rebuilt["events"] == 24
     assert statuses == {f"new-{i}": "done" for i in range(6)}
     assert rebuilt_model["replaced_tracking"] == []
+    assert after["read model"].status == "ok"
+    assert after["read model"].detail == "24 events of EVENTS handled, up to #24 of #24"
 
 
 async def test_a_log_restored_from_a_backup_is_the_same_log_and_nothing_is_applied_twice(
@@ -170,6 +188,7 @@ async def test_a_log_restored_from_a_backup_is_the_same_log_and_nothing_is_appli
             info = await js.consumer_info(EVENTS_STREAM, STATS_CONSUMER)
             await request(nc, "coordinator.stats", {})  # the figures brought up to date
             after = await read_model(pg_dsn)
+            says = await doctor_says(nats_server, pg_dsn)
 
     # The same events at the same positions, under another `created`: why the stream's
     # creation time is no name for the log.
@@ -181,6 +200,7 @@ async def test_a_log_restored_from_a_backup_is_the_same_log_and_nothing_is_appli
     assert after["projection_tracking"][:last] == before["projection_tracking"]
     assert [(f["worker"], f["count"]) for f in after["figures"]] == [("mac", 5)]
     assert len(after["outcomes"]) == 5
+    assert says["read model"].status == "ok"
 
 
 async def test_a_log_restored_from_an_older_copy_has_its_new_events_projected(
@@ -196,6 +216,7 @@ async def test_a_log_restored_from_an_older_copy_has_its_new_events_projected(
             # The server's store is lost; the backup is restored, without the b tasks.
             await js.delete_stream(EVENTS_STREAM)
             await restore(nc, meta, chunks)
+            behind = await doctor_says(nats_server, pg_dsn)
             # New tasks: their events take the positions the lost ones had.
             last = await publish_tasks(js, tasks_of("c", 2, at=T0 + 20))
             await eventually(
@@ -203,17 +224,27 @@ async def test_a_log_restored_from_an_older_copy_has_its_new_events_projected(
             )
             projected = await task_statuses(pg_dsn)
             model = await read_model(pg_dsn)
+            replaced = await doctor_says(nats_server, pg_dsn)
             await rebuild(nc)
             statuses = await task_statuses(pg_dsn)
-            after = await read_model(pg_dsn)
+            rebuilt_model = await read_model(pg_dsn)
+            after = await doctor_says(nats_server, pg_dsn)
 
     assert (older, lost, last) == (8, 16, 16)
+    assert behind["read model"].status == "problem"
+    assert (
+        "it has applied EVENTS up to #16, but EVENTS ends at #8: EVENTS was recreated or "
+        "restored from an older copy, and the events it applied at #9–#16 are no longer in it"
+    ) in behind["read model"].detail
     assert projected == {f"{p}-{i}": "done" for p in "abc" for i in range(2)}
     assert [(r["stream_seq"], r["replaced_from"]) for r in model["replaced_tracking"]] == [
         (seq, 9) for seq in range(9, 17)
     ]
+    assert replaced["read model"].status == "problem"
+    assert "still counts 8 event(s)" in replaced["read model"].detail
     assert statuses == {f"{p}-{i}": "done" for p in "ac" for i in range(2)}
-    assert after["replaced_tracking"] == []
+    assert rebuilt_model["replaced_tracking"] == []
+    assert after["read model"].status == "ok"
 
 
 # Exclusions as an old log holds them (recorded before their times were checked), and a
@@ -256,6 +287,7 @@ async def test_events_that_cannot_be_projected_are_parked_and_the_rest_projected
                 statuses = await task_statuses(pg_dsn)
                 exclusions = await rows(pg_dsn, "exclusions")
                 parked, headers = await request(nc, STATS_PARKED, {})
+                says = await doctor_says(nats_server, pg_dsn)
                 listed = await asyncio.to_thread(run_cli, "stats", "parked", env=env)
                 said = [e["stream_seq"] for e in logs if e["event"] == PARKED_LINE]
                 rebuilt = await rebuild(nc)
@@ -274,6 +306,11 @@ async def test_events_that_cannot_be_projected_are_parked_and_the_rest_projected
     assert "quality_score_check" in by_seq[9]["error"]  # a check PostgreSQL holds
     assert {p["subject"] for p in parked["parked"]} >= {"events.stats.exclusion.added"}
     assert sorted(said) == list(range(5, 10))  # one error line each
+
+    assert says["read model"].status == "ok"
+    warning = says["parked events"]
+    assert warning.status == "warning"
+    assert warning.detail.startswith("5 event(s) cannot be projected and count in no figure")
 
     assert listed.returncode == 0, listed.stderr
     assert "EVENTS #5  exclusion_added  events.stats.exclusion.added" in listed.stdout
