@@ -208,8 +208,11 @@ CREATE TABLE IF NOT EXISTS projection_tracking (
 );
 
 -- Added after the first release. NULL on the rows written before it: the stats service fills
--- them in at start from the events the stream still holds at those positions.
+-- them in at start from the events the stream still holds at those positions. The index holds
+-- only the rows still without one, so the service's look for them at every start is cheap.
 ALTER TABLE projection_tracking ADD COLUMN IF NOT EXISTS digest bytea;
+CREATE INDEX IF NOT EXISTS projection_tracking_undigested_idx
+    ON projection_tracking (projection, stream_seq) WHERE digest IS NULL;
 
 -- Tracking rows set aside because the log came to hold other events at their positions (from
 -- `replaced_from` on, noticed at `replaced_at`): events of a log EVENTS no longer holds. What
