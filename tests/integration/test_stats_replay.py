@@ -164,7 +164,10 @@ async def test_a_duplicate_worker_window_is_excluded_rebuilt_and_the_figures_are
             kv = await js.key_value(STATS_BUCKET)
 
             async def published() -> RoutingFigure | None:
-                entry = await kv.get(kv_key(*key))
+                try:
+                    entry = await kv.get(kv_key(*key))
+                except nats.js.errors.KeyNotFoundError:
+                    return None  # not put yet: the figures go to KV at most once a second
                 figure = msgspec.json.decode(entry.value or b"", type=RoutingFigure)
                 return figure if figure.count == len(CLEAN_MS) else None
 
