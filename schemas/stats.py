@@ -6,6 +6,9 @@ applied, lesson 6) and outcomes covered by an active exclusion are left out (les
 
 from __future__ import annotations
 
+import math
+from typing import Final
+
 import msgspec
 
 from schemas.base import Wire
@@ -101,8 +104,36 @@ class StatsReply(Wire, frozen=True, kw_only=True):
     active_exclusions: int = 0
 
 
+# The times a request may name, in epoch seconds: from 1970-01-01 to 9999-12-31 (UTC), the
+# last second PostgreSQL and Python's datetime both hold. Anything else is not a time an
+# operator meant: a time in milliseconds is the usual slip.
+EARLIEST_S: Final = 0.0
+LATEST_S: Final = 253_402_300_799.0
+_FINER_UNITS: Final = (("milliseconds", 1e3), ("microseconds", 1e6), ("nanoseconds", 1e9))
+
+
+def time_problem(field: str, value: float) -> str | None:
+    """Why ``value`` is not a time ``field`` may hold (naming the field and the accepted
+    range, with a hint when it looks like milliseconds), or None when it is one."""
+    if math.isfinite(value) and EARLIEST_S <= value <= LATEST_S:
+        return None
+    problem = (
+        f"{field} must be a time from 1970-01-01 to 9999-12-31 (epoch seconds "
+        f"{EARLIEST_S:.0f} to {LATEST_S:.0f}), not {value:.15g}"
+    )
+    if math.isfinite(value) and value > LATEST_S:
+        for unit, per_second in _FINER_UNITS:
+            if value / per_second <= LATEST_S:
+                return (
+                    f"{problem} (that looks like {unit}: times are epoch seconds, "
+                    f"divide by {per_second:.0f})"
+                )
+    return problem
+
+
 class ExcludeRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``coordinator.stats.exclude``: times are epoch seconds; ``until`` None is open-ended."""
+    """``coordinator.stats.exclude``: times are epoch seconds (`time_problem` says which);
+    ``until`` None is open-ended."""
 
     worker: str
     model: str | None = None
@@ -176,6 +207,35 @@ class RebuildReply(Wire, frozen=True, kw_only=True):
     seconds: float
     events_per_s: float
     figures: int
+    parked: int = 0
+    """Events replayed that cannot be projected, recorded as parked (`ParkedView`)."""
+
+
+class ParkedQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.stats.parked``: the events the projection could not apply."""
+
+
+class ParkedView(Wire, frozen=True, kw_only=True):
+    """An event that decodes but cannot be projected (a time no table can hold, say): recorded
+    instead of applied, so it neither comes back for ever nor holds up the events after it. A
+    rebuild, after the cause is fixed, tries it again."""
+
+    stream: str
+    stream_seq: int
+    subject: str
+    kind: str
+    error: str
+    parked_at: float
+
+
+# How many parked events a `ParkedReply` lists (the newest); ``total`` counts them all.
+PARKED_LISTED: Final = 100
+
+
+class ParkedReply(Wire, frozen=True, kw_only=True):
+    parked: list[ParkedView]
+    """The newest first, at most `PARKED_LISTED`."""
+    total: int
 
 
 class BaselinesQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):

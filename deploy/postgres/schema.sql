@@ -4,7 +4,7 @@
 -- event log stays the source of truth, so every table here can be rebuilt by replaying it
 -- (`coordinator stats rebuild` creates them afresh in the schema `stats_next`, replays, and
 -- moves them into place in one transaction). The list of tables a rebuild swaps is
--- PROJECTION_TABLES in services/stats/projector.py: a table added here goes there too.
+-- PROJECTION_TABLES in services/stats/rows.py: a table added here goes there too.
 -- The file is idempotent (IF NOT EXISTS everywhere): the stats service applies it at every
 -- start, and an operator may apply it by hand with `psql -f`. Names are unqualified: the
 -- file is applied to whichever schema is first on the search_path.
@@ -193,13 +193,53 @@ CREATE TABLE IF NOT EXISTS bench_results (
 
 CREATE INDEX IF NOT EXISTS bench_results_key_idx ON bench_results (model, worker, prompt_key);
 
--- Which events each projection has applied. The row is written in the same transaction as
--- the projection's changes and the pair is the primary key, so a redelivered event (same
--- stream sequence) is recognised and changes nothing.
+-- Which events each projection has applied (or parked). The row is written in the same
+-- transaction as the projection's changes and (projection, stream_seq) is the primary key, so
+-- a redelivered event is recognised and changes nothing. `digest` identifies the event at its
+-- position (a digest of its subject and bytes, services/stats/tracking.py): an EVENTS stream
+-- recreated, or restored from an older copy, holds other events at positions already applied,
+-- and they are told apart by it. The stream's `created` time would not do: a restored backup
+-- (the same events) gets a new one, on a cluster a different one on each replica.
 CREATE TABLE IF NOT EXISTS projection_tracking (
     projection  text NOT NULL,
     stream_seq  bigint NOT NULL,
+    digest      bytea,
     PRIMARY KEY (projection, stream_seq)
+);
+
+-- Added after the first release. NULL on the rows written before it: the stats service fills
+-- them in at start from the events the stream still holds at those positions. The index holds
+-- only the rows still without one, so the service's look for them at every start is cheap.
+ALTER TABLE projection_tracking ADD COLUMN IF NOT EXISTS digest bytea;
+CREATE INDEX IF NOT EXISTS projection_tracking_undigested_idx
+    ON projection_tracking (projection, stream_seq) WHERE digest IS NULL;
+
+-- Tracking rows set aside because the log came to hold other events at their positions (from
+-- `replaced_from` on, noticed at `replaced_at`): events of a log EVENTS no longer holds. What
+-- they counted stays in the tables until `coordinator stats rebuild`; `coordinator doctor`
+-- says so while any are here.
+CREATE TABLE IF NOT EXISTS replaced_tracking (
+    projection     text NOT NULL,
+    stream_seq     bigint NOT NULL,
+    digest         bytea,
+    replaced_from  bigint NOT NULL,
+    replaced_at    timestamptz NOT NULL,
+    PRIMARY KEY (projection, replaced_at, stream_seq)
+);
+
+-- Events that decode but cannot be projected (a time no column holds, a value a check
+-- refuses, or a failure nothing explains, tried three times): recorded here, with a tracking
+-- row, instead of being tried for ever. A rebuild tries them again (`coordinator stats parked`
+-- lists them, `coordinator doctor` counts them).
+CREATE TABLE IF NOT EXISTS parked_events (
+    stream      text NOT NULL,
+    stream_seq  bigint NOT NULL,
+    digest      bytea NOT NULL,
+    subject     text NOT NULL,
+    kind        text NOT NULL,
+    error       text NOT NULL,
+    parked_at   timestamptz NOT NULL,
+    PRIMARY KEY (stream_seq, digest)
 );
 
 -- Every worker instance the event log has announced, latest registration per worker id.

@@ -12,6 +12,10 @@ node of a JetStream cluster it checks the cluster too: its peers and meta leader
 system account's user, ``NATS_SYSTEM_USER``/``NATS_SYSTEM_PASSWORD``) and each stream's
 replicas (`doctor_cluster`).
 
+With ``PG_DSN`` it also reads the stats read model: whether it holds the events ``EVENTS``
+holds (the event it applied last is the one ``EVENTS`` holds there, no event of an older log
+counts) and whether events are parked.
+
 The checks are pure functions of what was gathered (`doctor_checks`), so they are tested
 without servers; the unit files are read by `unit_scan`; `gather` here does the I/O. Run it
 with the admin NATS user: it reads every consumer. Exit status 0 when nothing is wrong, 1 when
@@ -36,7 +40,7 @@ from schemas.subjects import (
     TASKS_SUBJECTS,
     WORKERS_BUCKET,
 )
-from services.cli.doctor_checks import DEFAULT_TTL_S, Check, Gathered, evaluate
+from services.cli.doctor_checks import DEFAULT_TTL_S, Check, Gathered, ReadModel, evaluate
 from services.cli.doctor_cluster import MetaGroup, meta_from_jsz
 from services.cli.replication import FLEET_STREAMS
 from services.cli.unit_scan import scan_unit_dirs
@@ -166,26 +170,85 @@ async def gather(
                     entry = await kv.get(key)
                     g.records.append(worker_record_decoder.decode(entry.value or b""))
         g.services = await _service_infos(nc, info_wait_s)
+        if pg_dsn:
+            g.postgres, g.postgres_detail, g.read_model = await _probe_postgres(pg_dsn, js)
     finally:
         await nc.close()
-    if pg_dsn:
-        g.postgres, g.postgres_detail = await _probe_postgres(pg_dsn)
     return g
 
 
-async def _probe_postgres(dsn: str) -> tuple[str, str]:
+async def _probe_postgres(dsn: str, js: Any) -> tuple[str, str, ReadModel | None]:
+    """PostgreSQL's version, and the stats read model (None: no stats tables yet)."""
     import asyncpg
 
     try:
         conn = await asyncpg.connect(dsn, timeout=3.0)
     except Exception as exc:
-        return f"cannot connect: {type(exc).__name__}: {exc}", ""
+        return f"cannot connect: {type(exc).__name__}: {exc}", "", None
     try:
         version = await conn.fetchval("show server_version")
         projected = await conn.fetchval("select to_regclass('tasks') is not null")
+        current = await conn.fetchval("select to_regclass('parked_events') is not null")
+        model = await _read_model(conn, js) if current else None
+    except Exception as exc:
+        return f"cannot read the stats tables: {type(exc).__name__}: {exc}", "", None
     finally:
         await conn.close()
-    return "", f"PostgreSQL {version}" + ("" if projected else ", no stats tables yet")
+    detail = f"PostgreSQL {version}"
+    if not projected:
+        detail += ", no stats tables yet"
+    elif not current:
+        detail += ", stats tables of an older version (the stats service migrates them at start)"
+    return "", detail, model
+
+
+async def _read_model(conn: Any, js: Any) -> ReadModel:
+    """What the read model has handled, and whether ``EVENTS`` holds at its last position the
+    event it applied there (`services.stats.tracking.event_digest` of the message there)."""
+    from services.stats.rows import TASKS_PROJECTION
+    from services.stats.tracking import event_digest
+
+    tracked = await conn.fetchrow(
+        "SELECT count(*), coalesce(max(stream_seq), 0) FROM projection_tracking "
+        "WHERE projection = $1",
+        TASKS_PROJECTION,
+    )
+    handled, last_seq = int(tracked[0]), int(tracked[1])
+    matches: bool | None = None
+    digest = await conn.fetchval(
+        "SELECT digest FROM projection_tracking WHERE projection = $1 AND stream_seq = $2",
+        TASKS_PROJECTION,
+        last_seq,
+    )
+    if digest is not None:
+        # No message there any more (aged out, or deleted), or no answer: it cannot tell.
+        with contextlib.suppress(Exception):
+            stored = await js.get_msg(EVENTS_STREAM, last_seq)
+            matches = event_digest(stored.subject or "", stored.data or b"") == bytes(digest)
+    replaced = await conn.fetchrow(
+        "SELECT count(*), max(replaced_at) FROM replaced_tracking WHERE projection = $1",
+        TASKS_PROJECTION,
+    )
+    replaced_from = await conn.fetchval(
+        "SELECT replaced_from FROM replaced_tracking WHERE projection = $1 "
+        "ORDER BY replaced_at DESC LIMIT 1",
+        TASKS_PROJECTION,
+    )
+    parked = int(await conn.fetchval("SELECT count(*) FROM parked_events"))
+    newest = await conn.fetchrow(
+        "SELECT stream_seq, kind, error FROM parked_events "
+        "ORDER BY parked_at DESC, stream_seq DESC LIMIT 1"
+    )
+    return ReadModel(
+        handled=handled,
+        last_seq=last_seq,
+        last_matches=matches,
+        replaced=int(replaced[0]),
+        replaced_from=replaced_from,
+        replaced_at=replaced[1].timestamp() if replaced[1] is not None else None,
+        parked=parked,
+        newest_parked=f"#{newest[0]} {newest[1]}: {newest[2]}" if newest is not None else "",
+    )
 
 
 async def run_doctor(

@@ -1,7 +1,8 @@
 """``coordinator doctor``'s checks: pure functions of what was gathered (`Gathered`).
 
 Each check gives one line: NATS and JetStream, the streams, buckets and consumers as the
-services make them, PostgreSQL, each live worker's model server (from its own probe, in its
+services make them, PostgreSQL and the stats read model (does it hold the events ``EVENTS``
+holds, are events parked), each live worker's model server (from its own probe, in its
 registration), and the fleet's known
 failure modes: duplicate consumers (two processes pulling one worker's queue), ghost queues
 (tasks waiting where nobody pulls), stale registrations (a heartbeat older than the TTL),
@@ -11,6 +12,7 @@ cluster also its peers, meta leader and each stream's replicas (`doctor_cluster`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
@@ -37,7 +39,8 @@ if TYPE_CHECKING:
 
 DEFAULT_TTL_S: Final = 15.0
 
-Status = Literal["ok", "problem", "skipped"]
+# "warning": worth a look, but nothing is failing (the exit status stays 0).
+Status = Literal["ok", "problem", "warning", "skipped"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,88 @@ def _verdict(name: str, problems: Sequence[str], fine: str) -> Check:
     return _problem(name, problems) if problems else _ok(name, fine)
 
 
+@dataclass(frozen=True)
+class ReadModel:
+    """The stats read model's record of what it handled, as `gather` read it from PostgreSQL
+    (and ``EVENTS``, for ``last_matches``)."""
+
+    handled: int
+    """Positions it has applied or parked (tracking rows)."""
+    last_seq: int
+    """The highest of them; 0 when none."""
+    last_matches: bool | None
+    """Whether ``EVENTS`` holds at ``last_seq`` the event applied there (digests compared);
+    None when it cannot tell (no such message any more, a row from before digests)."""
+    replaced: int = 0
+    """Tracking rows set aside: events of a log ``EVENTS`` no longer holds."""
+    replaced_from: int | None = None
+    replaced_at: float | None = None
+    """Where and when the latest setting aside began."""
+    parked: int = 0
+    newest_parked: str = ""
+    """``#<seq> <kind>: <error>`` of the newest parked event."""
+
+
+REBUILD_ADVICE: Final = (
+    "run `coordinator stats rebuild` to count only what EVENTS holds (what only the older "
+    "events counted leaves the figures)"
+)
+
+
+def check_read_model(model: ReadModel, events: StreamInfo | None) -> list[Check]:
+    """Whether the read model holds the events ``EVENTS`` holds, and whether events are
+    parked. A read model that holds events ``EVENTS`` does not (it was recreated: a new
+    cluster, a lost volume; or restored from an older copy) is a problem until a rebuild;
+    parked events are a warning (a rebuild tries them again, but an event whose data no table
+    can hold stays parked for good)."""
+    checks: list[Check] = []
+    if events is not None:
+        last = int(events.state.last_seq or 0)
+        problems: list[str] = []
+        if model.last_seq > last:
+            problems.append(
+                f"it has applied EVENTS up to #{model.last_seq}, but EVENTS ends at #{last}: "
+                "EVENTS was recreated or restored from an older copy, and the events it "
+                f"applied at #{last + 1}–#{model.last_seq} are no longer in it"
+            )
+        elif model.last_matches is False:
+            problems.append(
+                f"the event it applied at #{model.last_seq} is not the one EVENTS holds there: "
+                "EVENTS was recreated (a new cluster, a lost volume) and holds another log, "
+                "whose events it projects as they come"
+            )
+        if model.replaced:
+            problems.append(
+                f"it still counts {model.replaced} event(s) of an event log EVENTS no longer "
+                f"holds (EVENTS held others from #{model.replaced_from} on, seen "
+                f"{_local_time(model.replaced_at)})"
+            )
+        if problems:
+            checks.append(_problem("read model", [*problems, REBUILD_ADVICE]))
+        else:
+            checks.append(
+                _ok(
+                    "read model",
+                    f"{model.handled} events of EVENTS handled, up to #{model.last_seq} of #{last}",
+                )
+            )
+    if model.parked:
+        checks.append(
+            Check(
+                "parked events",
+                "warning",
+                f"{model.parked} event(s) cannot be projected and count in no figure; the "
+                f"newest: {model.newest_parked} (`coordinator stats parked` lists them; once "
+                "the cause is fixed, `coordinator stats rebuild` tries them again)",
+            )
+        )
+    return checks
+
+
+def _local_time(at: float | None) -> str:
+    return "-" if at is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+
+
 @dataclass
 class Gathered:
     """What `gather` found; None where it could not look."""
@@ -78,6 +163,7 @@ class Gathered:
     services: list[tuple[str, str, str]] = field(default_factory=list)  # name, id, version
     postgres: str | None = None  # "" fine, None not configured, text: what is wrong
     postgres_detail: str = ""
+    read_model: ReadModel | None = None  # None: no stats tables (or PostgreSQL not read)
     units: dict[str, list[str]] | None = None  # worker id -> unit names; None: not Linux
     cluster: str | None = None  # the JetStream cluster's name; None: a single server
     meta: MetaGroup | None = None  # the cluster's meta group, as its leader sees it
@@ -277,6 +363,8 @@ def evaluate(g: Gathered) -> list[Check]:
         checks.append(Check("postgresql", "problem", g.postgres))
     else:
         checks.append(_ok("postgresql", g.postgres_detail))
+        if g.read_model is not None:
+            checks.extend(check_read_model(g.read_model, g.streams.get(EVENTS_STREAM)))
     checks.append(check_backends(g.records, g.now, g.ttl_s))
     checks.append(check_duplicates(g.consumers))
     checks.append(check_ghost_queues(g.consumers, g.task_subjects, g.records, g.now, g.ttl_s))

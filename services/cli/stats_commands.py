@@ -32,6 +32,7 @@ from schemas.stats import (
     ExclusionsReply,
     ExclusionView,
     IncludeRequest,
+    ParkedReply,
     RebuildReply,
     StatsQuery,
     StatsReply,
@@ -44,15 +45,17 @@ from schemas.subjects import (
     STATS_EXCLUDE,
     STATS_EXCLUSIONS,
     STATS_INCLUDE,
+    STATS_PARKED,
     STATS_REBUILD,
 )
 from services.cli.client import find_nats_url, open_client
-from services.cli.stats_args import model_list, positive, time_arg
+from services.cli.stats_args import model_list, time_arg, timeout_arg
 from services.cli.stats_format import (
     aliases_lines,
     exclusion_line,
     exclusions_lines,
     figures_lines,
+    parked_lines,
     rebuild_line,
 )
 from services.runtime.logging import setup_logging
@@ -108,9 +111,15 @@ def register(sub: Any) -> None:
     rebuild = actions.add_parser(
         "rebuild", help="replay the event log into fresh tables and swap them in"
     )
-    rebuild.add_argument("--timeout", type=positive, default=3600.0, help="seconds to wait")
+    rebuild.add_argument("--timeout", type=timeout_arg, default=3600.0, help="seconds to wait")
     rebuild.add_argument("--json", action="store_true")
     rebuild.set_defaults(func=cmd_rebuild)
+
+    parked = actions.add_parser(
+        "parked", help="the events the projection could not apply (newest first)"
+    )
+    parked.add_argument("--json", action="store_true")
+    parked.set_defaults(func=cmd_parked)
 
     alias = sub.add_parser("alias", help="model aliases: several names, one statistics key")
     alias_actions = alias.add_subparsers(dest="alias_command", required=True, metavar="ACTION")
@@ -137,7 +146,7 @@ def register(sub: Any) -> None:
     bench = sub.add_parser("bench", help="the nightly benchmark through the router (for cron)")
     bench.add_argument("--models", help="comma-separated (default: every model served)")
     bench.add_argument("--prompts", type=Path, help="a .json list or one prompt per line")
-    bench.add_argument("--timeout", type=positive, default=300.0, help="seconds per prompt")
+    bench.add_argument("--timeout", type=timeout_arg, default=300.0, help="seconds per prompt")
     bench.set_defaults(func=cmd_bench)
 
 
@@ -229,6 +238,16 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         print(body.decode())
         return 0
     print(rebuild_line(msgspec.json.decode(body, type=RebuildReply)))
+    return 0
+
+
+def cmd_parked(args: argparse.Namespace) -> int:
+    body = _request(STATS_PARKED, None)
+    if args.json:
+        print(body.decode())
+        return 0
+    for line in parked_lines(msgspec.json.decode(body, type=ParkedReply)):
+        print(line)
     return 0
 
 

@@ -12,6 +12,7 @@ from schemas.stats import (
     ExclusionsReply,
     ExclusionView,
     FigureView,
+    ParkedReply,
     RebuildReply,
     StatsReply,
 )
@@ -105,11 +106,29 @@ def exclusions_lines(reply: ExclusionsReply) -> list[str]:
 
 
 def rebuild_line(reply: RebuildReply) -> str:
-    """``coordinator stats rebuild``: how much was replayed, how fast, into how many rows."""
+    """``coordinator stats rebuild``: how much was replayed, how fast, into how many rows, and
+    how many events it parked."""
+    parked = f"; {reply.parked} event(s) parked (coordinator stats parked)" if reply.parked else ""
     return (
         f"rebuilt from {reply.events} events (up to #{reply.last_seq}) in {reply.seconds:.1f} s "
-        f"({reply.events_per_s:.0f} events/s); {reply.figures} figure rows"
+        f"({reply.events_per_s:.0f} events/s); {reply.figures} figure rows{parked}"
     )
+
+
+def parked_lines(reply: ParkedReply) -> list[str]:
+    """``coordinator stats parked``: one line per parked event (newest first), and how many
+    are not listed; or ``no parked events``."""
+    if not reply.total:
+        return ["no parked events"]
+    lines = [
+        f"{view.stream} #{view.stream_seq}  {view.kind}  {view.subject}  "
+        f"parked {local_time(view.parked_at)}: {view.error}"
+        for view in reply.parked
+    ]
+    if reply.total > len(reply.parked):
+        lines.append(f"… and {reply.total - len(reply.parked)} older")
+    lines.append("a rebuild (coordinator stats rebuild) tries them again once the cause is fixed")
+    return lines
 
 
 def aliases_lines(reply: AliasesReply) -> list[str]:

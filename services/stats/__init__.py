@@ -1,7 +1,8 @@
 """The stats service: projects the ``EVENTS`` stream into PostgreSQL and answers queries.
 
 Pure, no I/O: ``projection`` (a task's state from its events, attempt outcomes), ``rows`` (the
-read model's tables: names, locks, row shapes), ``figures`` (KV keys and values), ``requests``
+read model's tables: names, locks, row shapes), ``tracking`` (which events were applied, by
+position and digest; which failures park an event), ``figures`` (KV keys and values), ``requests``
 (the endpoints' request bodies checked), ``verdict`` (the judge's rubrics and its verdicts
 read), ``baseline`` (the bench's slow-worker judgement), ``bench_prompts`` and
 ``bench_report`` (the bench's prompts and its report). The domain heuristic and the alias

@@ -2,7 +2,8 @@
 
 ``coordinator.task``, ``coordinator.stats``, ``coordinator.stats.exclude`` / ``.include`` /
 ``.exclusions``, ``coordinator.stats.alias.add`` / ``.alias.remove``,
-``coordinator.stats.aliases``, ``coordinator.stats.rebuild`` and ``coordinator.stats.baselines``.
+``coordinator.stats.aliases``, ``coordinator.stats.rebuild``, ``coordinator.stats.baselines``
+and ``coordinator.stats.parked``.
 Operator decisions (exclusions, aliases) are published as events and the reply comes once they
 are projected, so a ``coordinator stats`` right after shows their effect.
 
@@ -43,6 +44,8 @@ from schemas.stats import (
     ExclusionsReply,
     ExclusionView,
     IncludeRequest,
+    ParkedQuery,
+    ParkedReply,
     RebuildReply,
     RebuildRequest,
     StatsQuery,
@@ -58,6 +61,7 @@ from schemas.subjects import (
     STATS_EXCLUDE,
     STATS_EXCLUSIONS,
     STATS_INCLUDE,
+    STATS_PARKED,
     STATS_REBUILD,
     TASK,
     task_events,
@@ -70,6 +74,7 @@ from services.stats.publisher import FigurePublisher
 from services.stats.rebuild import rebuild
 from services.stats.requests import check_exclusion, decode_request, new_id, parse_task_query
 from services.stats.store import Store
+from services.stats.tracking import event_digest
 
 log = structlog.get_logger("stats")
 
@@ -117,6 +122,7 @@ class StatsEndpoints:
             ("aliases", ALIASES, self.handle_aliases),
             ("rebuild", STATS_REBUILD, self.handle_rebuild),
             ("baselines", STATS_BASELINES, self.handle_baselines),
+            ("parked", STATS_PARKED, self.handle_parked),
         ]
 
     async def handle_task(self, body: bytes) -> bytes:
@@ -124,9 +130,9 @@ class StatsEndpoints:
         a later event of the task than the projection has applied (the end its client has
         just been told), the answer waits for it (at most `PROJECTED_WAIT_S`)."""
         query = parse_task_query(body)
-        last = await self._last_event_seq(query.task_id)
+        last = await self._last_event(query.task_id)
         if last is not None:
-            await self._when_projected(lambda: self._applied(last), what="task event")
+            await self._when_projected(lambda: self._applied(*last), what="task event")
         view = await self.store.get_task(query.task_id)
         if view is None:
             raise NotFound(f"no task '{query.task_id}' (it may not be projected yet)")
@@ -251,6 +257,7 @@ class StatsEndpoints:
                 seconds=result.seconds,
                 events_per_s=result.events_per_s,
                 figures=result.figures,
+                parked=result.parked,
             )
         )
 
@@ -265,6 +272,13 @@ class StatsEndpoints:
             )
         ]
         return encoder.encode(BaselinesReply(baselines=baselines))
+
+    async def handle_parked(self, body: bytes) -> bytes:
+        """``coordinator.stats.parked``: the events the projection could not apply, newest
+        first, and how many there are."""
+        decode_request(body, ParkedQuery, "parked query")
+        parked, total = await self.store.parked()
+        return encoder.encode(ParkedReply(parked=parked, total=total))
 
     async def _publish(self, event: AnyEvent, msg_id: str | None = None) -> None:
         try:
@@ -285,14 +299,16 @@ class StatsEndpoints:
         log.warning("not projected in time; replying anyway", waited_for=what)
         return None
 
-    async def _last_event_seq(self, task_id: str) -> int | None:
-        """The stream position of the task's latest event (None: the stream has none, or
-        cannot say now: the projection's answer stands)."""
+    async def _last_event(self, task_id: str) -> tuple[int, bytes] | None:
+        """The stream position and digest of the task's latest event (None: the stream has
+        none, or cannot say now: the projection's answer stands)."""
         try:
             stored = await self.js.get_last_msg(EVENTS_STREAM, task_events(task_id), direct=True)
         except Exception:
             return None
-        return stored.seq
+        if stored.seq is None or stored.subject is None:
+            return None
+        return stored.seq, event_digest(stored.subject, stored.data or b"")
 
-    async def _applied(self, seq: int) -> bool | None:
-        return True if await self.store.applied(seq) else None
+    async def _applied(self, seq: int, digest: bytes) -> bool | None:
+        return True if await self.store.applied(seq, digest) else None

@@ -30,6 +30,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from schemas.events import QualityScored
+from schemas.route import MAX_TIMEOUT_S
 from schemas.subjects import EVENTS_STREAM, quality_event
 from services.backends.ollama import OllamaBackend
 from services.fleet.domains import classify_domain
@@ -52,6 +53,8 @@ log = structlog.get_logger("judge")
 
 # Kept with a verdict so a malformed one can be read later; enough for any sane verdict.
 MAX_TEXT_CHARS: Final = 2000
+# Verdicts per run at most: a run is a cron job's worth, and the limit goes into a query.
+MAX_BATCH_LIMIT: Final = 10_000
 # The stream refuses a publish whose expected last subject sequence does not match.
 _WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 
@@ -68,10 +71,16 @@ class JudgeSettings(Settings, frozen=True, kw_only=True):
     judge_connect_timeout_s: float = 5.0
 
     def check(self) -> None:
-        if self.batch_limit < 1:
-            raise ConfigError(f"BATCH_LIMIT={self.batch_limit} must be at least 1")
-        if self.judge_timeout_s <= 0:
-            raise ConfigError("JUDGE_TIMEOUT_S must be a positive number of seconds")
+        if not 1 <= self.batch_limit <= MAX_BATCH_LIMIT:
+            raise ConfigError(
+                f"BATCH_LIMIT={self.batch_limit} must be at least 1 and at most {MAX_BATCH_LIMIT}"
+            )
+        for name in ("judge_timeout_s", "judge_connect_timeout_s"):
+            if not 0 < getattr(self, name) <= MAX_TIMEOUT_S:  # NaN included
+                raise ConfigError(
+                    f"{name.upper()} must be a positive number of seconds, at most "
+                    f"{MAX_TIMEOUT_S:.0f} (a day)"
+                )
 
 
 @dataclass

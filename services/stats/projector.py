@@ -7,8 +7,10 @@ or the fresh ones a rebuild fills in the schema ``stats_next``.
 
 A batch is applied in stream order:
 
-1. The tracking rows ``('tasks', stream_seq)`` go in first; positions already there were
-   applied before (a redelivery) and are skipped.
+1. The tracking rows ``('tasks', stream_seq, digest)`` go in first (`track`); a position
+   already there with the same event was applied before (a redelivery) and is skipped; one
+   there with another event means ``EVENTS`` was recreated or restored from an older copy:
+   the rows from there on are set aside and the events applied (`tracking.sort_positions`).
 2. Task events are folded into the task rows with the pure `projection.evolve`, in memory; an
    attempt that ends adds a row to ``outcomes`` (model keyed by its canonical name). A
    worker's event that its recorder may not give (`services.fleet.binding`: not where the
@@ -23,6 +25,10 @@ A batch is applied in stream order:
 
 Exclusions and aliases thus apply to history as well as to what comes after them, live and on
 a rebuild alike.
+
+An event that decodes but cannot be applied (`tracking.parks` says which) is recorded instead
+(`park`: its tracking row and a ``parked_events`` row), so it is never tried for ever and
+never holds up the events after it.
 """
 
 from __future__ import annotations
@@ -41,7 +47,12 @@ from schemas.events import (
     TaskStarted,
     TaskSubmitted,
     WorkerRegistered,
+    any_event_decoder,
+    encoder,
+    kind_of,
+    subject_for,
 )
+from schemas.subjects import EVENTS_STREAM, task_event_source
 from services.fleet.aliases import resolve
 from services.fleet.binding import refusal
 from services.stats.other_events import apply_other
@@ -52,10 +63,12 @@ from services.stats.rows import (
     TASKS_PROJECTION,
     Connection,
     FigureKey,
+    clean,
     outcome_values,
     row_from_state,
     state_from_row,
 )
+from services.stats.tracking import Positions, event_digest, sort_positions
 
 log = structlog.get_logger("stats")
 
@@ -64,12 +77,32 @@ WORKERS_EVENTS = (TaskStarted, TaskCompleted, TaskFailed)
 
 
 class Item(NamedTuple):
-    """One event to apply: its stream position, itself, and the worker its subject names
-    (`schemas.subjects.task_event_source`; None for anything else)."""
+    """One event to apply: its stream position, itself, its subject, and what identifies it at
+    that position (`tracking.event_digest`)."""
 
     seq: int
     event: AnyEvent
-    source: str | None = None
+    subject: str
+    digest: bytes
+
+    @property
+    def source(self) -> str | None:
+        """The worker its subject names (`schemas.subjects.task_event_source`; None for
+        anything else)."""
+        return task_event_source(self.subject)
+
+
+def item_of(seq: int, subject: str, data: bytes) -> Item:
+    """The event a stream message holds, at its position; raises `msgspec.DecodeError` when
+    it is not a known event."""
+    return Item(seq, any_event_decoder.decode(data), subject, event_digest(subject, data))
+
+
+def item_for(seq: int, event: AnyEvent, source: str | None = None) -> Item:
+    """``event`` at ``seq`` as it is published (`schemas.events.subject_for`, by ``source``):
+    for an event not read from the stream."""
+    subject = subject_for(event, source)
+    return Item(seq, event, subject, event_digest(subject, encoder.encode(event)))
 
 
 _SELECT_TASKS: Final = (
@@ -86,11 +119,33 @@ SELECT pg_advisory_xact_lock($1, hashtext(t))
 FROM (SELECT DISTINCT t FROM unnest($2::text[]) AS t ORDER BY t) AS ordered
 """
 _TRACK: Final = """
-INSERT INTO projection_tracking (projection, stream_seq)
-SELECT $1, unnest($2::bigint[])
+INSERT INTO projection_tracking (projection, stream_seq, digest)
+SELECT $1, seq, digest FROM unnest($2::bigint[], $3::bytea[]) AS incoming (seq, digest)
 ON CONFLICT DO NOTHING
 RETURNING stream_seq
 """
+_TRACKED: Final = """
+SELECT stream_seq, digest FROM projection_tracking
+WHERE projection = $1 AND stream_seq = ANY($2::bigint[])
+"""
+# The rows of events the log no longer holds at their positions, moved aside (but for those
+# the batch has just written).
+_SET_ASIDE: Final = """
+WITH moved AS (
+    DELETE FROM projection_tracking
+    WHERE projection = $1 AND stream_seq >= $2 AND NOT (stream_seq = ANY($3::bigint[]))
+    RETURNING stream_seq, digest
+)
+INSERT INTO replaced_tracking (projection, stream_seq, digest, replaced_from, replaced_at)
+SELECT $1, stream_seq, digest, $2, now() FROM moved
+"""
+_PARK: Final = """
+INSERT INTO parked_events (stream, stream_seq, digest, subject, kind, error, parked_at)
+VALUES ($1, $2, $3, $4, $5, $6, now())
+ON CONFLICT DO NOTHING
+"""
+# A parked event's error, as recorded: enough to say what went wrong.
+PARKED_ERROR_CHARS: Final = 2000
 _INSERT_OUTCOME: Final = """
 INSERT INTO outcomes (task_id, attempt, model, raw_model, domain, worker, ok, total_ms, load_ms,
                       eval_ms, eval_tokens, first_token_ms, ended_at, stream_seq)
@@ -132,9 +187,9 @@ async def project(
     result = Projected()
     if not items:
         return result
-    rows = await conn.fetch(_TRACK, TASKS_PROJECTION, [item.seq for item in items])
-    fresh = result.fresh = {row[0] for row in rows}
-    todo = [item for item in items if item.seq in fresh]
+    positions = await track(conn, items)
+    todo = [item for item, fresh in zip(items, positions.fresh, strict=True) if fresh]
+    result.fresh = {item.seq for item in todo}
     result.applied = len(todo)
     result.duplicates = len(items) - len(todo)
     if not todo:
@@ -151,7 +206,8 @@ async def project(
     if any(i.source is not None for i in todo):
         batch.supports = await load_supports(conn)
 
-    for seq, event, source in todo:
+    for item in todo:
+        seq, event, source = item.seq, item.event, item.source
         if isinstance(event, TASK_EVENTS):
             before = batch.states.get(event.task_id)
             if isinstance(event, WORKERS_EVENTS):
@@ -175,6 +231,54 @@ async def project(
                 batch.supports[event.worker_id] = event.supports
     await batch.flush()
     return result
+
+
+async def track(conn: Connection, items: Sequence[Item]) -> Positions:
+    """Write the tracking rows of ``items`` and say which are fresh (`tracking.sort_positions`);
+    when the log holds other events than the ones applied, set the rows from there on aside
+    first. In the caller's transaction."""
+    seqs = [item.seq for item in items]
+    written = {row[0] for row in await conn.fetch(_TRACK, TASKS_PROJECTION, seqs, _digests(items))}
+    if len(written) == len(items):
+        return Positions((True,) * len(items))
+    others = [seq for seq in seqs if seq not in written]
+    tracked = {row[0]: row[1] for row in await conn.fetch(_TRACKED, TASKS_PROJECTION, others)}
+    positions = sort_positions([(i.seq, i.digest) for i in items], written, tracked)
+    replaced_from = positions.replaced_from
+    if replaced_from is not None:
+        set_aside = await conn.execute(_SET_ASIDE, TASKS_PROJECTION, replaced_from, list(written))
+        log.warning(
+            "the event log holds other events than the ones applied from here on (EVENTS was "
+            "recreated, or restored from an older copy): their tracking rows are set aside and "
+            "the log's events applied; what the old ones counted stays until a rebuild",
+            from_seq=replaced_from,
+            set_aside=int(set_aside.split()[-1]),
+        )
+        renewed = [i for i in items if i.seq >= replaced_from and i.seq not in written]
+        await conn.execute(_TRACK, TASKS_PROJECTION, [i.seq for i in renewed], _digests(renewed))
+    return positions
+
+
+def _digests(items: Sequence[Item]) -> list[bytes]:
+    return [item.digest for item in items]
+
+
+async def park(conn: Connection, item: Item, error: str, stream: str = EVENTS_STREAM) -> bool:
+    """Record ``item`` as parked (it cannot be applied: ``error``) with its tracking row, so
+    that it is handled, once; False when its position was handled before. In the caller's
+    transaction."""
+    if not (await track(conn, [item])).fresh[0]:
+        return False
+    await conn.execute(
+        _PARK,
+        stream,
+        item.seq,
+        item.digest,
+        clean(item.subject),
+        kind_of(item.event),
+        clean(error)[:PARKED_ERROR_CHARS],
+    )
+    return True
 
 
 async def load_aliases(conn: Connection) -> dict[str, str]:

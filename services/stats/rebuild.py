@@ -31,6 +31,11 @@ tables committed (≤ *S2*), and it redelivers anything unacked. An event at or 
 arrives again finds its tracking row in the new tables and is acked as a duplicate; one above
 *S2* is new to them and is applied exactly once. A live batch that was waiting for the lock
 starts its statements after the swap, so it writes to the new tables.
+
+The fresh tables hold only what ``EVENTS`` holds now: what events of a log it no longer holds
+counted (``replaced_tracking``) is gone after the swap. An event that cannot be projected is
+parked in the fresh tables as the live projection parks it (any failure but `Unavailable`: a
+replay has no later try), so it never fails the rebuild; one parked before is tried again.
 """
 
 from __future__ import annotations
@@ -50,13 +55,14 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from schemas.events import any_event_decoder
-from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS, task_event_source
-from services.runtime.errors import RebuildBusy, Unavailable, Unstorable
+from schemas.events import kind_of
+from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS
+from services.runtime.errors import RebuildBusy, Unavailable
 from services.stats.figure_rows import refresh_figures
-from services.stats.projector import Item, project
+from services.stats.projector import Item, item_of, park, project
 from services.stats.rows import PROJECTION_LOCK, PROJECTION_TABLES, Connection
 from services.stats.store import SCHEMA_PATH, database_errors, redact_dsn
+from services.stats.tracking import UNEXPLAINED_TRIES, parked_error, parks
 
 log = structlog.get_logger("stats.rebuild")
 
@@ -78,6 +84,8 @@ class RebuildResult:
     """The stream sequence the fresh tables reach."""
     seconds: float
     figures: int
+    parked: int = 0
+    """Events that cannot be projected, recorded as parked in the fresh tables."""
 
     @property
     def events_per_s(self) -> float:
@@ -106,7 +114,8 @@ async def rebuild(
             await _prepare(conn)
         first_target = await _last_seq(js)
         log.info("rebuild started", up_to=first_target, live_schema=live)
-        fresh = functools.partial(_apply, conn)
+        counts = _Counts()
+        fresh = functools.partial(_apply, conn, counts)
         applied = await replay(js, 1, first_target, fresh, batch_size)
         async with pause if pause is not None else contextlib.nullcontext():
             with database_errors():
@@ -124,7 +133,11 @@ async def rebuild(
                 with contextlib.suppress(Exception):
                     await conn.execute("SELECT pg_advisory_unlock($1)", PROJECTION_LOCK)
     result = RebuildResult(
-        events=applied, last_seq=last, seconds=time.perf_counter() - started, figures=figures
+        events=applied,
+        last_seq=last,
+        seconds=time.perf_counter() - started,
+        figures=figures,
+        parked=counts.parked,
     )
     log.info(
         "rebuild swapped in",
@@ -133,6 +146,7 @@ async def rebuild(
         seconds=round(result.seconds, 3),
         events_per_s=round(result.events_per_s),
         figures=figures,
+        parked=counts.parked,
     )
     return result
 
@@ -207,9 +221,7 @@ async def replay(
         seq = metadata.sequence.stream
         if seq <= until:
             try:
-                batch.append(
-                    Item(seq, any_event_decoder.decode(msg.data), task_event_source(msg.subject))
-                )
+                batch.append(item_of(seq, msg.subject, msg.data))
             except msgspec.DecodeError as exc:
                 log.warning("undecodable event skipped", stream_seq=seq, error=str(exc))
         end = seq >= until or metadata.num_pending == 0
@@ -255,26 +267,47 @@ async def replay(
     return applied
 
 
-async def _apply(conn: Connection, batch: list[Item]) -> int:
-    """One transaction for the batch; if some event cannot be stored, one per event."""
+@dataclass
+class _Counts:
+    parked: int = 0
+
+
+async def _apply(conn: Connection, counts: _Counts, batch: list[Item]) -> int:
+    """One transaction for the batch; if it fails, one per event, and an event that fails
+    alone is parked (`tracking.parks`, as on its last try). `Unavailable` fails the rebuild."""
     if not batch:
         return 0
     try:
-        with database_errors(writing=True):
-            async with conn.transaction():
-                return (await project(conn, batch, lock_tasks=False)).applied
-    except Unstorable:
-        pass
+        return await _project(conn, batch)
+    except Exception as exc:
+        if not parks(exc, UNEXPLAINED_TRIES):
+            raise
     applied = 0
     for item in batch:
         try:
+            applied += await _project(conn, [item])
+        except Exception as exc:
+            if not parks(exc, UNEXPLAINED_TRIES):
+                raise
+            error = parked_error(exc)
             with database_errors(writing=True):
                 async with conn.transaction():
-                    projected = await project(conn, [item], lock_tasks=False)
-            applied += projected.applied
-        except Unstorable as exc:
-            log.error("event cannot be stored; skipped", stream_seq=item[0], error=exc.message)
+                    if await park(conn, item, error):
+                        counts.parked += 1
+            log.error(
+                "event parked: it cannot be projected",
+                stream_seq=item.seq,
+                subject=item.subject,
+                kind=kind_of(item.event),
+                error=error,
+            )
     return applied
+
+
+async def _project(conn: Connection, batch: list[Item]) -> int:
+    with database_errors(writing=True):
+        async with conn.transaction():
+            return (await project(conn, batch, lock_tasks=False)).applied
 
 
 def _ident(name: str) -> str:

@@ -14,7 +14,7 @@ import msgspec
 
 from schemas.queries import TaskQuery
 from schemas.route import MAX_QUERY_ITEMS, count_problem
-from schemas.stats import ExcludeRequest
+from schemas.stats import ExcludeRequest, time_problem
 from schemas.subjects import InvalidId, check_token
 from services.runtime.endpoints import decode_body
 from services.runtime.errors import BadRequest
@@ -32,8 +32,9 @@ def decode_request(body: bytes, kind: type[W], what: str) -> W:
 
 def check_fields(request: msgspec.Struct) -> None:
     """Raise `BadRequest` for a field PostgreSQL would refuse or that would cost a query per
-    entry beyond reason: a text holding NUL (PostgreSQL's text cannot), a list of more than
-    `MAX_QUERY_ITEMS` entries."""
+    entry beyond reason: a text holding NUL (PostgreSQL's text cannot), a number that is not
+    finite, a list of more than `MAX_QUERY_ITEMS` entries. What a number means is each
+    request's own check (`check_exclusion`)."""
     for name in request.__struct_fields__:
         value = getattr(request, name)
         values = value if isinstance(value, list) else [value]
@@ -42,6 +43,8 @@ def check_fields(request: msgspec.Struct) -> None:
             raise BadRequest(problem)
         if any(isinstance(text, str) and "\x00" in text for text in values):
             raise BadRequest(f"{name} must not hold NUL characters (PostgreSQL cannot store them)")
+        if any(isinstance(number, float) and not math.isfinite(number) for number in values):
+            raise BadRequest(f"{name} must be a finite number")
 
 
 def parse_task_query(body: bytes) -> TaskQuery:
@@ -68,11 +71,11 @@ def check_exclusion(request: ExcludeRequest) -> None:
         raise BadRequest(str(exc)) from None
     if request.model is not None and not request.model.strip():
         raise BadRequest("model must not be empty (leave it out to exclude every model)")
-    if not math.isfinite(request.since):
-        raise BadRequest("since must be a time (epoch seconds)")
-    if request.until is not None and not (
-        math.isfinite(request.until) and request.until > request.since
-    ):
+    for name, at in (("since", request.since), ("until", request.until)):
+        problem = None if at is None else time_problem(name, at)
+        if problem is not None:
+            raise BadRequest(problem)
+    if request.until is not None and request.until <= request.since:
         raise BadRequest("until must be later than since")
     if not request.reason.strip():
         raise BadRequest("give a reason: it is what the next operator will read")

@@ -7,9 +7,11 @@ text never holds NUL (PostgreSQL refuses it, a backend's output sometimes has it
 from __future__ import annotations
 
 import dataclasses
+import math
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
+from services.runtime.errors import Unstorable
 from services.stats.projection import Outcome, TaskState
 
 if TYPE_CHECKING:
@@ -35,6 +37,8 @@ PROJECTION_TABLES: Final = (
     "bench_runs",
     "bench_results",
     "projection_tracking",
+    "replaced_tracking",
+    "parked_events",
     "workers_seen",
 )
 
@@ -58,7 +62,20 @@ def clean(value: str) -> str:
     return value.replace("\x00", "\ufffd")
 
 
+# The epoch seconds a ``timestamptz`` column takes from here: years 1 to 9999, what Python's
+# datetime holds (PostgreSQL holds more). The end is the start of year 10000, excluded: the
+# last microsecond before it is no float of its own at this size.
+_FIRST_S: Final = -62_135_596_800.0
+_END_S: Final = 253_402_300_800.0
+
+
 def timestamp(at: float) -> datetime:
+    """An event's time (epoch seconds) as a ``timestamptz`` value. A time no column can hold
+    (out of years 1–9999, not finite) is `Unstorable`: the event that carries it can never
+    be projected, however often it is tried (``datetime.fromtimestamp`` raised
+    OverflowError, ValueError or OSError for it, which said nothing of the kind)."""
+    if not (math.isfinite(at) and _FIRST_S <= at < _END_S):
+        raise Unstorable(f"time {at:.15g} is out of range (epoch seconds within years 1-9999)")
     return datetime.fromtimestamp(at, tz=UTC)
 
 

@@ -12,7 +12,8 @@ Every instance answers every endpoint: those that read PostgreSQL or record an e
 and ``coordinator.stats`` and ``.rebuild`` (`endpoints.PROJECTING_ONLY`) by passing them on
 to the projecting one (``coordinator.stats.projecting.<endpoint>``, where only it listens),
 whose answer it returns; ``unavailable`` while none projects (a takeover under way). Taking
-over, an instance brings every figure in line with its facts, applies in order what the
+over, an instance brings every figure in line with its facts, gives tracking rows from before
+digests were kept theirs (`ProjectionConsumer.fill_digests`), applies in order what the
 previous one had in hand (`ProjectionConsumer.catch_up`), then fetches on from where the
 consumer stands; the tracking rows keep every event applied once.
 """
@@ -158,6 +159,8 @@ class StatsService:
         self._stopping.clear()
         # The previous holder may have left figures behind their facts: bring them all in line.
         await self.store.refresh_figures()
+        # Tracking rows from before digests were kept get theirs before anything is applied.
+        await self.projection.fill_digests()
         await self.projection.catch_up()
         sub = await self.js.pull_subscribe_bind(durable=STATS_CONSUMER, stream=EVENTS_STREAM)
         self.publisher.resync()
@@ -207,6 +210,7 @@ class StatsService:
             duplicates=c.duplicates,
             terminated=c.terminated,
             retried=c.retried,
+            parked=c.parked,
         )
 
 

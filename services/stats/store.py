@@ -1,9 +1,11 @@
 """The stats read model in PostgreSQL (asyncpg): apply events once, answer queries.
 
 Events are applied in batches, each in one transaction together with its tracking rows
-``('tasks', stream_seq)``; the pair is a primary key, so an event delivered twice is recognised
-and changes nothing. The writes themselves are `projector.project`, shared with the rebuild;
-the state logic is the pure `projection.evolve`.
+``('tasks', stream_seq, digest)``; the position is a primary key and the digest says which
+event was applied there (`tracking`), so an event delivered twice is recognised and changes
+nothing, and another event at a position already applied is not taken for it. The writes
+themselves are `projector.project`, shared with the rebuild; the state logic is the pure
+`projection.evolve`. An event that cannot be applied is parked (`park`).
 
 Database failures leave this module as the project's own errors: `Unavailable` when retrying
 may help (connection lost, server restarting, timeouts, any other server error), `Unstorable`
@@ -17,7 +19,7 @@ import asyncio
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Self
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -25,12 +27,20 @@ from asyncpg import Record
 
 from schemas.events import AnyEvent
 from schemas.queries import TaskView
-from schemas.stats import AliasView, ExclusionView, FigureView, StatsQuery
+from schemas.stats import (
+    PARKED_LISTED,
+    AliasView,
+    ExclusionView,
+    FigureView,
+    ParkedView,
+    StatsQuery,
+)
+from schemas.subjects import EVENTS_STREAM
 from services.fleet.aliases import resolve
 from services.runtime.errors import Unavailable, Unstorable
 from services.stats.figure_rows import FIGURE_COLUMNS, NOT_EXCLUDED, refresh_figures
 from services.stats.projection import TaskState, to_view
-from services.stats.projector import Item, Projected, load_aliases, project
+from services.stats.projector import Item, Projected, item_for, load_aliases, park, project
 from services.stats.rows import (
     PROJECTION_LOCK,
     SELECT_TASK,
@@ -77,9 +87,7 @@ class Store:
         self.dsn = dsn
 
     @classmethod
-    async def connect(
-        cls, dsn: str, *, max_size: int = 4, command_timeout_s: float = 10.0
-    ) -> Store:
+    async def connect(cls, dsn: str, *, max_size: int = 4, command_timeout_s: float = 10.0) -> Self:
         """Open a connection pool; an unreachable server raises `Unavailable` (no password)."""
         try:
             pool = await asyncpg.create_pool(
@@ -121,7 +129,7 @@ class Store:
         Returns False, changing nothing, when this position was applied before (a
         redelivery). Raises `Unavailable` (retry later) or `Unstorable` (never storable).
         """
-        return (await self.apply_batch([Item(stream_seq, event, source)])).applied == 1
+        return (await self.apply_batch([item_for(stream_seq, event, source)])).applied == 1
 
     async def apply_batch(self, items: Sequence[Item]) -> Projected:
         """Apply events (stream position, event) in order in one transaction, each once.
@@ -137,6 +145,45 @@ class Store:
                 # Figures are recomputed apart (`refresh_figures`): a percentile over a key's
                 # whole history in every batch made a batch slower the longer the log grew.
                 return await project(conn, items)
+
+    async def park(self, item: Item, error: str, stream: str = EVENTS_STREAM) -> bool:
+        """Record ``item`` as parked instead of applying it (`projector.park`), in its own
+        transaction; False when its position was handled before. Raises `Unavailable`."""
+        with database_errors(writing=True):
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock_shared($1)", PROJECTION_LOCK)
+                return await park(conn, item, error, stream)
+
+    async def undigested(self) -> tuple[int, int] | None:
+        """The lowest and highest position of the tracking rows written before digests were
+        kept that are not filled in yet (None: there are none)."""
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                row = await conn.fetchrow(
+                    "SELECT min(stream_seq), max(stream_seq) FROM projection_tracking "
+                    "WHERE projection = $1 AND digest IS NULL",
+                    TASKS_PROJECTION,
+                )
+        return None if row is None or row[0] is None else (int(row[0]), int(row[1]))
+
+    async def fill_digests(self, items: Sequence[Item]) -> int:
+        """Give the tracking rows without a digest at the positions of ``items`` the digest of
+        the event there; how many it filled in. Only right while the stream is the log those
+        rows were written from: the stats service does it at start, before projecting."""
+        if not items:
+            return 0
+        with database_errors(writing=True):
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock_shared($1)", PROJECTION_LOCK)
+                status = await conn.execute(
+                    "UPDATE projection_tracking t SET digest = i.digest "
+                    "FROM unnest($2::bigint[], $3::bytea[]) AS i (seq, digest) "
+                    "WHERE t.projection = $1 AND t.stream_seq = i.seq AND t.digest IS NULL",
+                    TASKS_PROJECTION,
+                    [item.seq for item in items],
+                    [item.digest for item in items],
+                )
+        return int(status.split()[-1])
 
     async def refresh_figures(self, keys: set[FigureKey] | None = None) -> None:
         """Recompute the figure rows of ``keys`` (all of them when None) from the facts."""
@@ -267,17 +314,42 @@ class Store:
                     )
                 )
 
-    async def applied(self, stream_seq: int) -> bool:
-        """Has this projection applied the event at ``stream_seq``?"""
+    async def applied(self, stream_seq: int, digest: bytes | None = None) -> bool:
+        """Has this projection applied the event at ``stream_seq`` (the one whose digest is
+        ``digest``, when given: not another the log held there before)?"""
         with database_errors():
             async with self._pool.acquire() as conn:
                 found = await conn.fetchval(
                     "SELECT true FROM projection_tracking WHERE projection = $1 "
-                    "AND stream_seq = $2",
+                    "AND stream_seq = $2 AND ($3::bytea IS NULL OR digest = $3)",
                     TASKS_PROJECTION,
                     stream_seq,
+                    digest,
                 )
         return bool(found)
+
+    async def parked(self) -> tuple[list[ParkedView], int]:
+        """The newest parked events (at most `PARKED_LISTED`), and how many there are."""
+        with database_errors():
+            async with self._pool.acquire() as conn:
+                rows = await conn.fetch(
+                    "SELECT stream, stream_seq, subject, kind, error, parked_at, "
+                    "count(*) OVER () AS total FROM parked_events "
+                    "ORDER BY parked_at DESC, stream_seq DESC LIMIT $1",
+                    PARKED_LISTED,
+                )
+        views = [
+            ParkedView(
+                stream=r["stream"],
+                stream_seq=r["stream_seq"],
+                subject=r["subject"],
+                kind=r["kind"],
+                error=r["error"],
+                parked_at=r["parked_at"].timestamp(),
+            )
+            for r in rows
+        ]
+        return views, int(rows[0]["total"]) if rows else 0
 
     async def last_seq(self) -> int:
         """The highest stream sequence this projection has applied (0 if none)."""

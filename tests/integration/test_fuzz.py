@@ -54,6 +54,7 @@ from schemas.subjects import (
     STATS_EXCLUDE,
     STATS_EXCLUSIONS,
     STATS_INCLUDE,
+    STATS_PARKED,
     STATS_REBUILD,
     TASK,
     TASKS_STREAM,
@@ -242,6 +243,7 @@ NATS_TEMPLATES: Final[dict[str, list[dict[str, Any]]]] = {
     STATS: [{"model": NOBODY, "worker": "w", "domain": "d"}],
     STATS_EXCLUSIONS: [{"withdrawn": True}],
     STATS_BASELINES: [{"models": [NOBODY], "exclude_run": "r"}],
+    STATS_PARKED: [{}],
     ALIASES: [{}],
 }
 # Endpoints that write an event when they succeed: asked one at a time, the streams compared

@@ -61,6 +61,18 @@ async def test_stats_prints_the_figures_and_exclude_include_rebuild_change_them(
         bad_time = await cli(
             "stats", "exclude", "--worker", "mac", "--since", "yesterday", "--reason", "r", env=env
         )
+        milliseconds = await cli(
+            "stats",
+            "exclude",
+            "--worker",
+            "mac",
+            "--since",
+            str(int(T0 * 1000)),
+            "--reason",
+            "r",
+            env=env,
+        )
+        no_timeout = await cli("stats", "rebuild", "--timeout", "1e308", env=env)
 
     assert table.returncode == 0, table.stderr
     header, row = table.stdout.splitlines()[:2]
@@ -83,6 +95,13 @@ async def test_stats_prints_the_figures_and_exclude_include_rebuild_change_them(
     )
     assert bad_time.returncode == 2
     assert "'yesterday' is not a time" in bad_time.stderr
+    assert milliseconds.returncode == 2
+    assert "argument --since: '1700000000000' must be a time from 1970-01-01" in (
+        milliseconds.stderr
+    )
+    assert "(that looks like milliseconds: times are epoch seconds" in milliseconds.stderr
+    assert no_timeout.returncode == 2
+    assert "'1e308' is not a timeout: give seconds above 0, at most 86400" in no_timeout.stderr
 
 
 async def test_alias_add_list_remove(nats_server: NatsServer, pg_dsn: str, tmp_path: Path) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from nats.js.api import ConsumerConfig, ConsumerInfo
+from nats.js.api import ConsumerConfig, ConsumerInfo, StreamConfig, StreamInfo, StreamState
 
 from schemas.workers import WorkerRecord
 from services.cli.doctor_checks import (
+    REBUILD_ADVICE,
+    Check,
+    ReadModel,
     check_duplicates,
     check_ghost_queues,
+    check_read_model,
     check_registrations,
     check_units,
     check_versions,
@@ -166,3 +170,88 @@ def test_one_unit_per_worker_is_fine(tmp_path: Path) -> None:
     }
     assert check_units(found).status == "ok"
     assert check_units(None).status == "skipped"
+
+
+def events_ending_at(last_seq: int) -> StreamInfo:
+    return StreamInfo(
+        config=StreamConfig(name="EVENTS", subjects=["events.>"]),
+        state=StreamState(
+            messages=last_seq, bytes=0, first_seq=1, last_seq=last_seq, consumer_count=1
+        ),
+    )
+
+
+def test_a_read_model_that_holds_what_events_holds_is_fine() -> None:
+    model = ReadModel(handled=40, last_seq=40, last_matches=True)
+
+    assert check_read_model(model, events_ending_at(42)) == [
+        Check("read model", "ok", "40 events of EVENTS handled, up to #40 of #42")
+    ]
+
+
+def test_a_read_model_beyond_the_end_of_events_says_the_log_was_restored_or_replaced() -> None:
+    [check] = check_read_model(
+        ReadModel(handled=16, last_seq=16, last_matches=None), events_ending_at(8)
+    )
+
+    assert check.status == "problem"
+    assert check.detail == (
+        "it has applied EVENTS up to #16, but EVENTS ends at #8: EVENTS was recreated or "
+        "restored from an older copy, and the events it applied at #9–#16 are no longer in it; "
+        f"{REBUILD_ADVICE}"
+    )
+
+
+def test_another_event_where_the_read_model_applied_its_last_says_events_was_recreated() -> None:
+    [check] = check_read_model(
+        ReadModel(handled=12, last_seq=12, last_matches=False), events_ending_at(30)
+    )
+
+    assert check.status == "problem"
+    assert "the event it applied at #12 is not the one EVENTS holds there" in check.detail
+    assert check.detail.endswith(REBUILD_ADVICE)
+
+
+def test_events_of_a_log_events_no_longer_holds_are_named_until_a_rebuild() -> None:
+    model = ReadModel(
+        handled=24,
+        last_seq=24,
+        last_matches=True,
+        replaced=12,
+        replaced_from=1,
+        replaced_at=NOW,
+    )
+
+    [check] = check_read_model(model, events_ending_at(24))
+
+    assert check.status == "problem"
+    assert "it still counts 12 event(s) of an event log EVENTS no longer holds" in check.detail
+    assert "(EVENTS held others from #1 on, seen " in check.detail
+
+
+def test_parked_events_are_a_warning_with_the_newest_error() -> None:
+    model = ReadModel(
+        handled=10,
+        last_seq=10,
+        last_matches=True,
+        parked=2,
+        newest_parked="#7 exclusion_added: time 1e+308 is out of range",
+    )
+
+    checks = check_read_model(model, events_ending_at(10))
+
+    assert [(c.name, c.status) for c in checks] == [
+        ("read model", "ok"),
+        ("parked events", "warning"),
+    ]
+    assert checks[1].detail.startswith(
+        "2 event(s) cannot be projected and count in no figure; the newest: #7 exclusion_added: "
+        "time 1e+308 is out of range (`coordinator stats parked` lists them"
+    )
+    assert checks[1].line().startswith("warning  parked events")
+
+
+def test_without_the_events_stream_only_parked_events_are_told() -> None:
+    model = ReadModel(handled=0, last_seq=0, last_matches=None, parked=1, newest_parked="#1 x: y")
+
+    assert [c.name for c in check_read_model(model, None)] == ["parked events"]

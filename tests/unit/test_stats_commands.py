@@ -9,19 +9,20 @@ from typing import Any
 
 import pytest
 
-from schemas.stats import FigureView
+from schemas.stats import FigureView, ParkedReply, ParkedView, RebuildReply
 from services.cli.main import build_parser
-from services.cli.stats_args import parse_time
+from services.cli.stats_args import parse_time, timeout_arg
 from services.cli.stats_commands import (
     cmd_alias_add,
     cmd_bench,
     cmd_exclude,
     cmd_figures,
     cmd_judge,
+    cmd_parked,
     cmd_serve,
     judge_environment,
 )
-from services.cli.stats_format import figures_table
+from services.cli.stats_format import figures_table, parked_lines, rebuild_line
 from services.runtime.errors import ConfigError
 from services.stats.baseline import Comparison
 from services.stats.bench_prompts import BUILTIN_PROMPTS
@@ -64,9 +65,38 @@ def test_anything_else_is_refused_saying_what_is_accepted(text: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("1700000000000", "(that looks like milliseconds: times are epoch seconds"),
+        ("1e308", "not 1e+308"),
+        ("-1e18", "not -1e+18"),
+        ("9223372036854775808", "(that looks like nanoseconds"),
+        ("1969-12-31T00:00Z", "not -86400"),
+        ("99999999w ago", "must be a time from 1970-01-01 to 9999-12-31"),
+        ("0001-01-01", "'0001-01-01' is not a time from 1970-01-01 to 9999-12-31"),
+    ],
+)
+def test_a_time_out_of_range_is_refused_saying_the_range(text: str, says: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        parse_time(text, now=NOW)
+
+    assert says in str(refused.value)
+    assert "1970-01-01" in str(refused.value)
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "nan", "inf", "1e308", "86401", "soon"])
+def test_a_timeout_must_be_seconds_up_to_a_day(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="at most 86400"):
+        timeout_arg(text)
+    assert timeout_arg("86400") == 86400.0
+    assert timeout_arg("0.5") == 0.5
+
+
+@pytest.mark.parametrize(
     ("argv", "func"),
     [
         (["stats"], cmd_figures),
+        (["stats", "parked"], cmd_parked),
         (["stats", "--json"], cmd_figures),
         (["stats", "serve"], cmd_serve),
         (["stats", "exclude", "--worker", "w", "--since", "1h ago", "--reason", "r"], cmd_exclude),
@@ -113,6 +143,18 @@ def test_judge_flags_win_over_the_environment() -> None:
         ({"JUDGE_MODEL": "m"}, "PG_DSN is required but not set"),
         ({"PG_DSN": "x", "JUDGE_MODEL": "m", "BATCH_LIMIT": "0"}, "BATCH_LIMIT=0 must be"),
         ({"PG_DSN": "x", "JUDGE_MODEL": "m", "BATCH_LIMIT": "many"}, "BATCH_LIMIT='many'"),
+        (
+            {"PG_DSN": "x", "JUDGE_MODEL": "m", "BATCH_LIMIT": str(2**70)},
+            "at most 10000",
+        ),
+        (
+            {"PG_DSN": "x", "JUDGE_MODEL": "m", "JUDGE_TIMEOUT_S": "nan"},
+            "JUDGE_TIMEOUT_S must be a positive number of seconds, at most 86400",
+        ),
+        (
+            {"PG_DSN": "x", "JUDGE_MODEL": "m", "JUDGE_CONNECT_TIMEOUT_S": "1e308"},
+            "JUDGE_CONNECT_TIMEOUT_S must be a positive number of seconds",
+        ),
     ],
 )
 def test_judge_settings_name_what_is_wrong(environ: dict[str, str], message: str) -> None:
@@ -220,3 +262,40 @@ def test_bench_progress_reasons_table_and_warnings() -> None:
     assert report.exit_status == 1  # a failure outweighs the slowness
     assert BenchReport("r", report.results[:1], report.comparisons).exit_status == 3
     assert BenchReport("r", report.results[:1], []).exit_status == 0
+
+
+def test_parked_events_are_listed_newest_first_with_what_is_left_out() -> None:
+    views = [
+        ParkedView(
+            stream="EVENTS",
+            stream_seq=seq,
+            subject="events.stats.exclusion.added",
+            kind="exclusion_added",
+            error="time 1e+308 is out of range",
+            parked_at=NOW,
+        )
+        for seq in (9, 5)
+    ]
+
+    lines = parked_lines(ParkedReply(parked=views, total=3))
+
+    assert lines[0].startswith("EVENTS #9  exclusion_added  events.stats.exclusion.added  parked ")
+    assert lines[0].endswith(": time 1e+308 is out of range")
+    assert lines[2:] == [
+        "… and 1 older",
+        "a rebuild (coordinator stats rebuild) tries them again once the cause is fixed",
+    ]
+    assert parked_lines(ParkedReply(parked=[], total=0)) == ["no parked events"]
+
+
+def test_a_rebuild_says_how_many_events_it_parked() -> None:
+    reply = RebuildReply(
+        events=10, last_seq=12, seconds=0.5, events_per_s=20.0, figures=3, parked=2
+    )
+
+    assert rebuild_line(reply) == (
+        "rebuilt from 10 events (up to #12) in 0.5 s (20 events/s); 3 figure rows; "
+        "2 event(s) parked (coordinator stats parked)"
+    )
+    clean = RebuildReply(events=10, last_seq=10, seconds=0.5, events_per_s=20.0, figures=3)
+    assert rebuild_line(clean).endswith("3 figure rows")
