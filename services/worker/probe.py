@@ -20,7 +20,8 @@ from typing import TypeVar
 
 import structlog
 
-from services.backends import Backend, Progress
+from schemas.work import Work
+from services.backends import Backend, Progress, embedding_work
 from services.fleet import health
 from services.fleet.health import Failure, Health, HealthPolicy, ProbeKind
 from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
@@ -29,8 +30,8 @@ log = structlog.get_logger("worker")
 
 T = TypeVar("T")
 
-# The probe's prompt: any model answers it; one token is enough.
-PROBE_PROMPT = "Reply with the single word OK."
+# The probe's generation: any model answers it; one token is enough.
+PROBE_WORK = Work(prompt="Reply with the single word OK.", options={"num_predict": 1})
 
 
 async def watched(
@@ -219,16 +220,12 @@ class BackendProbe:
         """One token of ``model`` (one embedding of an embedding-only one), within the
         first-token timeout."""
         if embeds_only:
-            await self.backend.embed(model, ["OK"], timeout_s=self.first_token_s)
+            await self.backend.embed(model, embedding_work(["OK"]), timeout_s=self.first_token_s)
             return
 
         def generate(progress: Progress) -> Awaitable[object]:
             return self.backend.generate(
-                model,
-                PROBE_PROMPT,
-                options={"num_predict": 1},
-                timeout_s=self.first_token_s,
-                progress=progress,
+                model, PROBE_WORK, timeout_s=self.first_token_s, progress=progress
             )
 
         await watched(

@@ -22,7 +22,8 @@ from schemas.events import Durations, TaskCompleted, TaskFailed
 from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing
 from schemas.subjects import worker_consumer, worker_queue_filter
 from schemas.tasks import TaskMessage, needs_of
-from services.backends import Backend, Embedding, Generation, OnChunk, Progress
+from schemas.work import Work
+from services.backends import Backend, Embedding, Generation, OnChunk, Progress, embedding_work
 from services.backends.choose import make_backend
 from services.fleet.health import HealthPolicy
 from services.runtime.aliases import AliasFollower
@@ -176,13 +177,12 @@ class Inference:
         tiny embedding; returns its total milliseconds."""
         if self._embeds_only(model):
             embedded = await self.backend.embed(
-                model, ["OK"], timeout_s=self.settings.sanity_timeout_s
+                model, embedding_work(["OK"]), timeout_s=self.settings.sanity_timeout_s
             )
             return embedded.durations.total_ms
         result = await self.backend.generate(
             model,
-            SANITY_PROMPT,
-            options={"num_predict": 8},
+            Work(prompt=SANITY_PROMPT, options={"num_predict": 8}),
             timeout_s=self.settings.sanity_timeout_s,
         )
         return result.durations.total_ms
@@ -208,7 +208,7 @@ class Inference:
     def serves(self, task: TaskMessage) -> bool:
         """A shared task is for this worker if it has the model with what the task needs."""
         return task.model in self.models and not missing(
-            needs_of(task), self.capabilities(self.backend_name(task.model))
+            needs_of(task.work), self.capabilities(self.backend_name(task.model))
         )
 
     async def close(self) -> None:
@@ -220,7 +220,7 @@ class Inference:
         started = time.perf_counter()
         try:
             with tracer.start_as_current_span(
-                "backend embed" if task.task_type == "embedding" else "backend generate",
+                "backend embed" if task.work.task_type == "embedding" else "backend generate",
                 kind=trace.SpanKind.CLIENT,
                 attributes={"server.address": self.backend.address, "model": task.model},
             ):
@@ -237,7 +237,7 @@ class Inference:
                 retryable=exc.retryable,
                 durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
             )
-        self.probe.task_ended(None, self.backend_name(task.model), task.keep_alive)
+        self.probe.task_ended(None, self.backend_name(task.model), task.work.keep_alive)
         if isinstance(result, Embedding):
             return TaskCompleted(
                 at=time.time(),
@@ -272,33 +272,12 @@ class Inference:
         """The backend call a task asks for: one embedding call for every input of an
         embedding task, else a generation with everything the client asked for."""
         model = self.backend_name(task.model)
-        if task.task_type == "embedding":
-            return self.backend.embed(
-                model,
-                task.input or [],
-                timeout_s=task.timeout_s,
-                truncate=task.truncate,
-                dimensions=task.dimensions,
-                keep_alive=task.keep_alive,
-                options=task.options,
-                normalize=task.normalize,
-            )
+        if task.work.task_type == "embedding":
+            return self.backend.embed(model, task.work, timeout_s=task.timeout_s)
 
         def generate(alive: Progress) -> Awaitable[Generation]:
             return self.backend.generate(
-                model,
-                task.prompt,
-                options=task.options,
-                timeout_s=task.timeout_s,
-                progress=alive,
-                on_chunk=on_chunk,
-                messages=task.messages,
-                think=task.think,
-                images=task.images,
-                tools=task.tools,
-                format=task.format,
-                keep_alive=task.keep_alive,
-                suffix=task.suffix,
+                model, task.work, timeout_s=task.timeout_s, progress=alive, on_chunk=on_chunk
             )
 
         # Every generation within the first-token and progress timeouts: a hung backend is

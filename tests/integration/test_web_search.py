@@ -32,6 +32,7 @@ from schemas.events import (
 )
 from schemas.subjects import TASKS_STREAM
 from schemas.tasks import TaskMessage
+from schemas.work import Work
 from services import __version__
 from services.runtime.bus import publish_event
 from services.runtime.errors import DuplicateWorker
@@ -354,9 +355,11 @@ async def test_web_workers_share_the_queue_one_task_each_at_a_time_never_the_sam
     starts = []
     while True:
         try:
-            starts.append(task_event_decoder.decode((await started_sub.next_msg(timeout=0.5)).data))
+            start = task_event_decoder.decode((await started_sub.next_msg(timeout=0.5)).data)
         except TimeoutError:
             break
+        assert isinstance(start, TaskStarted)
+        starts.append(start)
 
     assert sorted(e.task_id for e in ended) == sorted(task_ids)
     assert sorted(s.task_id for s in starts) == sorted(task_ids)  # each started exactly once
@@ -428,7 +431,8 @@ async def test_a_dead_web_workers_task_fails_naming_it_and_is_not_run_again(
     started = await web.nc.subscribe("events.task.*.*.started")
     body = {"prompt": QUESTION, "model": "default", "task_type": "web_search"}
     reply, _ = await request(web.nc, "coordinator.route", body)
-    assert task_event_decoder.decode((await started.next_msg(timeout=10)).data).worker == "web-a"
+    start = task_event_decoder.decode((await started.next_msg(timeout=10)).data)
+    assert isinstance(start, TaskStarted) and start.worker == "web-a"
 
     async def summarising() -> bool:
         return bool(web.ollama.stats()["in_flight"])
@@ -515,11 +519,10 @@ async def test_a_web_worker_drops_a_copy_of_an_attempt_that_was_moved_on(web: St
                 task_id="t-web",
                 attempt=attempt,
                 model="default",
-                prompt=QUESTION,
                 timeout_s=10,
                 submitted_at=now,
-                task_type="web_search",
                 routed_seq=routed_seq[attempt],
+                work=Work(prompt=QUESTION, task_type="web_search"),
             )
             await js.publish("tasks.web", msgspec.json.encode(message))
         done = await events.first("completed")
