@@ -278,9 +278,13 @@ class StreamChunk(Wire, frozen=True, kw_only=True):
 
     task_id: str
     seq: int
+    """The piece's number within its attempt, from 1 (0: the router's first chunk)."""
     response: str = ""
     thinking: str = ""
     tool_calls: list[ToolCall] | None = None
+    attempt: int | None = None
+    """The attempt whose output this is: a task the reaper moves starts its answer again in
+    its new attempt. None in the router's first chunk, and from a worker that predates it."""
 
 
 class CancelRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):

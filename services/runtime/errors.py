@@ -225,6 +225,14 @@ class Cancelled(CoordinatorError):
     code = "cancelled"
 
 
+class StreamDiverged(CoordinatorError):
+    """A streamed task was run again (its worker was lost mid-answer) and the answer of the
+    new attempt does not continue what the stream had already written: a stream cannot take
+    text back, so it ends with this error naming the task, whose whole answer can be read."""
+
+    code = "stream_diverged"
+
+
 class InvalidApiKey(CoordinatorError):
     """A gateway request without a key the gateway knows (OpenAI's code for a 401)."""
 
