@@ -12,6 +12,7 @@ from schemas.events import Durations, Tokens
 from schemas.models import ModelFacts
 from schemas.route import DoneReason, ToolCall
 from schemas.work import Work
+from services.runtime.errors import BackendError, BackendServerError
 
 # Called as output arrives, so a long generation can tell the bus it is still working.
 Progress = Callable[[], Awaitable[None]]
@@ -40,6 +41,14 @@ async def drain(lines: AsyncIterator[Any]) -> None:
         async with asyncio.timeout(DRAIN_S):
             async for _ in lines:
                 pass
+
+
+def answer_error(status: int, message: str) -> BackendError:
+    """The failure a server's answer with HTTP ``status`` (not 200) is: a 5xx is the
+    server's own (`BackendServerError`: another server may do the work), any other the
+    request's (a 4xx: a bad request, a model that refuses the input; no server would do
+    better)."""
+    return BackendServerError(message) if status >= 500 else BackendError(message)
 
 
 def embedding_work(inputs: list[str]) -> Work:

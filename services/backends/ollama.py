@@ -34,7 +34,7 @@ from yarl import URL
 from schemas.events import Durations
 from schemas.models import ModelFacts
 from schemas.work import Work
-from services.backends import Embedding, Generation, OnChunk, Progress, drain
+from services.backends import Embedding, Generation, OnChunk, Progress, answer_error, drain
 from services.backends.http1 import Http1ConnectTimeout, Http1Error, LinePool, usable_for
 from services.backends.ollama_reply import (
     StreamedAnswer,
@@ -50,7 +50,12 @@ from services.backends.ollama_reply import (
     running_sizes,
 )
 from services.backends.ollama_request import embed_body, generate_body, legacy_embed_body
-from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
+from services.runtime.errors import (
+    BackendError,
+    BackendServerError,
+    BackendTimeout,
+    BackendUnavailable,
+)
 
 # A model's ``/api/show`` reads its files, no more; past this the facts wait for a restart.
 SHOW_TIMEOUT_S = 30.0
@@ -135,7 +140,9 @@ class OllamaBackend:
                 f"Ollama at {self._base_url} cannot be reached: {_describe(exc)}"
             ) from exc
         if status != 200:
-            raise BackendError(f"Ollama at {self._base_url} answered /api/tags with HTTP {status}")
+            raise answer_error(
+                status, f"Ollama at {self._base_url} answered /api/tags with HTTP {status}"
+            )
         return model_names(content, self._base_url)
 
     async def resident_models(self) -> dict[str, int]:
@@ -148,7 +155,9 @@ class OllamaBackend:
                 f"Ollama at {self._base_url} cannot be reached: {_describe(exc)}"
             ) from exc
         if status != 200:
-            raise BackendError(f"Ollama at {self._base_url} answered /api/ps with HTTP {status}")
+            raise answer_error(
+                status, f"Ollama at {self._base_url} answered /api/ps with HTTP {status}"
+            )
         return running_sizes(content, self._base_url)
 
     async def generate(
@@ -192,7 +201,9 @@ class OllamaBackend:
             async with self._lines.post(path, encoded, "application/x-ndjson") as small:
                 if small.status != 200:
                     text = (await small.read()).decode(errors="replace")
-                    raise BackendError(f"Ollama answered HTTP {small.status}: {error_text(text)}")
+                    raise answer_error(
+                        small.status, f"Ollama answered HTTP {small.status}: {error_text(text)}"
+                    )
                 lines = small.lines()
                 generation = await self._read(lines, started, progress, on_chunk)
                 await drain(lines)  # to the body's end: the connection is kept
@@ -201,7 +212,9 @@ class OllamaBackend:
         try:
             if reply.status != 200:
                 text = (await reply.read()).decode(errors="replace")
-                raise BackendError(f"Ollama answered HTTP {reply.status}: {error_text(text)}")
+                raise answer_error(
+                    reply.status, f"Ollama answered HTTP {reply.status}: {error_text(text)}"
+                )
             lines = _lines(reply)
             generation = await self._read(lines, started, progress, on_chunk)
             if not reply.content.at_eof():
@@ -250,7 +263,7 @@ class OllamaBackend:
                 await progress()
             if chunk.done:
                 return answer.generation(chunk, (time.perf_counter() - started) * 1000)
-        raise BackendError("Ollama closed the stream before the final chunk")
+        raise BackendServerError("Ollama closed the stream before the final chunk")
 
     async def embed(self, model: str, work: Work, *, timeout_s: float) -> Embedding:
         """``POST /api/embed`` with every input at once (unit-length vectors). ``normalize``
@@ -304,7 +317,9 @@ class OllamaBackend:
             content = await reply.read()
             if reply.status != 200:
                 text = content.decode(errors="replace")
-                raise BackendError(f"Ollama answered HTTP {reply.status}: {error_text(text)}")
+                raise answer_error(
+                    reply.status, f"Ollama answered HTTP {reply.status}: {error_text(text)}"
+                )
             return content
 
     async def model_facts(self, served: list[str]) -> dict[str, ModelFacts]:

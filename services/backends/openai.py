@@ -21,7 +21,15 @@ import structlog
 
 from schemas.models import EMBEDDING, ModelFacts
 from schemas.work import Work
-from services.backends import Embedding, Generation, OnChunk, Progress, drain, embedding_work
+from services.backends import (
+    Embedding,
+    Generation,
+    OnChunk,
+    Progress,
+    answer_error,
+    drain,
+    embedding_work,
+)
 from services.backends.openai_reply import (
     ChatStream,
     ModelEntry,
@@ -35,7 +43,12 @@ from services.backends.openai_reply import (
     template_capabilities,
 )
 from services.backends.openai_request import chat_body, embeddings_body
-from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
+from services.runtime.errors import (
+    BackendError,
+    BackendServerError,
+    BackendTimeout,
+    BackendUnavailable,
+)
 
 log = structlog.get_logger("worker")
 
@@ -82,7 +95,8 @@ class OpenAIBackend:
                 f"{self._base_url} cannot be reached: {_describe(exc)}"
             ) from exc
         if reply.status_code != 200:
-            raise BackendError(f"{self._base_url}/models answered HTTP {reply.status_code}")
+            status = reply.status_code
+            raise answer_error(status, f"{self._base_url}/models answered HTTP {status}")
         return decode_models(reply.content, self._base_url)
 
     async def generate(
@@ -134,8 +148,9 @@ class OpenAIBackend:
         async with self._sent(request) as reply:
             if reply.status_code != 200:
                 text = (await reply.aread()).decode(errors="replace")
-                raise BackendError(
-                    f"{self._base_url} answered HTTP {reply.status_code}: {error_text(text)}"
+                raise answer_error(
+                    reply.status_code,
+                    f"{self._base_url} answered HTTP {reply.status_code}: {error_text(text)}",
                 )
             lines = reply.aiter_lines()
             async for line in lines:
@@ -159,7 +174,7 @@ class OpenAIBackend:
                 if progress is not None:
                     await progress()
         if not finished:
-            raise BackendError(f"{self._base_url} closed the stream before [DONE]")
+            raise BackendServerError(f"{self._base_url} closed the stream before [DONE]")
         calls = stream.finish()  # a server that sent no finish_reason
         if calls is not None and on_chunk is not None:
             await on_chunk("", "", calls)
@@ -190,8 +205,9 @@ class OpenAIBackend:
                 f"{self._base_url} cannot be reached: {_describe(exc)}"
             ) from exc
         if reply.status_code != 200:
-            raise BackendError(
-                f"{self._base_url} answered HTTP {reply.status_code}: {error_text(reply.text)}"
+            raise answer_error(
+                reply.status_code,
+                f"{self._base_url} answered HTTP {reply.status_code}: {error_text(reply.text)}",
             )
         return embedding_of(
             reply.content,

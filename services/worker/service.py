@@ -20,6 +20,7 @@ from opentelemetry import trace
 
 from schemas.events import Durations, TaskCompleted, TaskFailed
 from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing
+from schemas.route import ToolCall
 from schemas.subjects import worker_consumer, worker_queue_filter
 from schemas.tasks import TaskMessage, needs_of
 from schemas.work import Work
@@ -34,7 +35,7 @@ from services.runtime.settings import WorkerSettings
 from services.runtime.sleep import SleepPolicy
 from services.runtime.taskkind import Attempt, LoopSettings, loop_settings
 from services.runtime.taskloop import TaskLoop
-from services.worker.probe import BackendProbe, failure_of, watched
+from services.worker.probe import BackendProbe, failure_of, runs_elsewhere, watched
 
 log = structlog.get_logger("worker")
 tracer = trace.get_tracer("coordinator.worker")
@@ -215,16 +216,30 @@ class Inference:
         await self.aliases.stop()
 
     async def run(self, attempt: Attempt) -> TaskCompleted | TaskFailed:
-        """One backend call; a backend error is the task's failure."""
+        """One backend call; a backend error is the task's failure, one another worker may
+        run again (`runs_elsewhere`) unless output of it was streamed already."""
         task = attempt.task
         started = time.perf_counter()
+        streamed = False
+        on_chunk = attempt.on_chunk
+        if on_chunk is not None:
+            passed_on = on_chunk
+
+            async def noted(
+                response: str, thinking: str, tool_calls: list[ToolCall] | None = None
+            ) -> None:
+                nonlocal streamed
+                streamed = True
+                await passed_on(response, thinking, tool_calls)
+
+            on_chunk = noted
         try:
             with tracer.start_as_current_span(
                 "backend embed" if task.work.task_type == "embedding" else "backend generate",
                 kind=trace.SpanKind.CLIENT,
                 attributes={"server.address": self.backend.address, "model": task.model},
             ):
-                result = await self._call_backend(task, attempt.progress, attempt.on_chunk)
+                result = await self._call_backend(task, attempt.progress, on_chunk)
         except BackendError as exc:
             self.probe.task_ended(failure_of(exc))
             return TaskFailed(
@@ -234,7 +249,7 @@ class Inference:
                 worker=self.settings.worker_id,
                 code=exc.code,
                 reason=exc.message,
-                retryable=exc.retryable,
+                retryable=runs_elsewhere(exc, streamed),
                 durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
             )
         self.probe.task_ended(None, self.backend_name(task.model), task.work.keep_alive)

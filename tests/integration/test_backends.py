@@ -29,7 +29,12 @@ from schemas.work import Work
 from services.backends import Generation
 from services.backends.ollama import OllamaBackend
 from services.backends.openai import OpenAIBackend
-from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
+from services.runtime.errors import (
+    BackendError,
+    BackendServerError,
+    BackendTimeout,
+    BackendUnavailable,
+)
 
 CHAT = "qwen2.5:0.5b"  # takes tools
 PLAIN = "gemma3:1b"  # takes no tools
@@ -266,6 +271,37 @@ async def test_ollamas_refusals_are_backend_errors_in_its_words(
         await ollama_backend.generate(PLAIN, Work(prompt="hi", tools=[WEATHER]), timeout_s=10)
     with pytest.raises(BackendError, match="does not support generate"):
         await ollama_backend.generate(EMBEDDER, Work(prompt="hi"), timeout_s=10)
+
+
+@pytest.mark.parametrize("kind", ["ollama", "openai"])
+async def test_the_servers_own_failures_are_told_from_refusals(
+    kind: str, ollama_backend: OllamaBackend, openai_backend: OpenAIBackend, fake: FakeOllama
+) -> None:
+    """A 5xx, an error mid-stream, a stream cut short: the server failed at its own work
+    (another may do it); a reset connection: unreachable; a 4xx: the request's own fault."""
+    backend = ollama_backend if kind == "ollama" else openai_backend
+    plain = Work(prompt="one two three four five six")
+    for status in (500, 503):
+        fake.configure(fail_status=status)
+        with pytest.raises(BackendServerError, match=f"HTTP {status}"):
+            await backend.generate(CHAT, plain, timeout_s=10)
+        with pytest.raises(BackendServerError, match=f"HTTP {status}"):
+            await backend.embed(EMBEDDER, Work(prompt="", input=["hi"]), timeout_s=10)
+    fake.configure(fail_status=400)
+    with pytest.raises(BackendError, match="HTTP 400") as refused:
+        await backend.generate(CHAT, plain, timeout_s=10)
+    assert not isinstance(refused.value, BackendServerError) and not refused.value.retryable
+    fake.configure(fail_status=None, error_after_chunks=2)
+    with pytest.raises(BackendServerError, match="reported an error"):
+        await backend.generate(CHAT, plain, timeout_s=10)
+    fake.configure(error_after_chunks=None, reset_after_chunks=0)
+    with pytest.raises(BackendUnavailable):
+        await backend.generate(CHAT, plain, timeout_s=10)
+    fake.configure(reset_after_chunks=2)
+    with pytest.raises(BackendUnavailable):
+        await backend.generate(CHAT, plain, timeout_s=10)
+    fake.configure(reset_after_chunks=None)
+    assert (await backend.generate(CHAT, plain, timeout_s=10)).response
 
 
 async def test_a_generation_past_its_deadline_is_a_timeout(

@@ -193,7 +193,9 @@ async def test_the_summary_can_come_from_an_openai_compatible_server(web: Stack)
 @pytest.mark.parametrize(
     ("setup", "fields", "says"),
     [
-        pytest.param({"fail_status": 500}, {}, ["backend_error", "500"], id="backend answers 500"),
+        pytest.param(
+            {"fail_status": 500}, {}, ["backend_server_error", "500"], id="backend answers 500"
+        ),
         pytest.param(
             {"delay_s": 3.0, "summary_timeout_s": 0.5}, {}, ["backend_timeout", "0.5 s"],
             id="backend too slow",
@@ -574,7 +576,7 @@ async def test_coordinator_ask_type_web_search_prints_the_answer_and_its_sources
     assert fallback.returncode == 0
     assert fallback.stdout.startswith(f"1. {QUESTION} - result 1\n")
     assert "Sources:" not in fallback.stdout  # the answer already is the list
-    assert "note: the summary failed (backend_error" in fallback.stderr
+    assert "note: the summary failed (backend_server_error" in fallback.stderr
 
     web.searxng.fail_status = 503
     failed = await ask()
