@@ -41,7 +41,7 @@ log = structlog.get_logger("worker")
 tracer = trace.get_tracer("coordinator.worker")
 
 # A prompt any model can answer quickly; it only has to come back without an error.
-SANITY_PROMPT = "Reply with the single word OK."
+SANITY_WORK = Work(prompt="Reply with the single word OK.", options={"num_predict": 8})
 
 
 class Inference:
@@ -182,9 +182,7 @@ class Inference:
             )
             return embedded.durations.total_ms
         result = await self.backend.generate(
-            model,
-            Work(prompt=SANITY_PROMPT, options={"num_predict": 8}),
-            timeout_s=self.settings.sanity_timeout_s,
+            model, SANITY_WORK, timeout_s=self.settings.sanity_timeout_s
         )
         return result.durations.total_ms
 
