@@ -46,6 +46,7 @@ from schemas.events import (
     encoder,
     subject_for,
 )
+from schemas.work import Work
 from services.runtime.bus import ensure_streams
 from services.stats.rebuild import rebuild
 from services.stats.store import Store
@@ -110,7 +111,11 @@ def _task(rng: random.Random, task_id: str, at: float) -> list[AnyEvent]:
     total_ms = rng.lognormvariate(7.5, 0.6)
     events: list[AnyEvent] = [
         TaskSubmitted(
-            at=at, task_id=task_id, model=model, prompt=prompt, domain=domain, timeout_s=300
+            at=at,
+            task_id=task_id,
+            model=model,
+            timeout_s=300,
+            work=Work(prompt=prompt, domain=domain),
         ),
         TaskRouted(at=at, task_id=task_id, attempt=1, worker=worker, queue=f"tasks.cpu.{worker}"),
         TaskStarted(at=at + 0.01, task_id=task_id, attempt=1, worker=worker, host=worker),

@@ -12,7 +12,7 @@ across `AnyEvent`.
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, assert_never
+from typing import Final, Literal, assert_never
 
 import msgspec
 
@@ -22,35 +22,23 @@ from schemas.base import Event
 # re-exported here, where every reader has always imported them from.
 from schemas.measures import Durations as Durations  # noqa: PLC0414
 from schemas.measures import Tokens as Tokens  # noqa: PLC0414
-from schemas.route import ChatMessage, DoneReason, OutputFormat, Source, TaskType, ToolCall
+from schemas.route import DoneReason, Source, ToolCall
 from schemas.subjects import bench_event, quality_event, task_event, worker_event
+from schemas.work import BothShapes, Work
 
 
 class TaskSubmitted(Event, frozen=True, kw_only=True, tag="submitted"):
+    """A task as its client asked for it: what every attempt runs (the reaper builds a moved
+    attempt's task message from ``work``). Read with `task_event_decoder` or
+    `any_event_decoder`, which also read the shape before `Work` (its fields at the top)."""
+
     task_id: str
     model: str
-    prompt: str
-    task_type: TaskType = "inference"
-    domain: str | None = None
-    options: dict[str, Any] | None = None
+    work: Work
     requested_worker: str | None = None
     requested_model: str | None = None
     """The name the client used, when an alias mapped it to ``model``."""
     timeout_s: float
-    messages: list[ChatMessage] | None = None
-    """A chat task's conversation (``prompt`` holds it as text), so it can be routed again."""
-    think: bool | str | None = None
-    # The rest of what the client asked the backend for (`schemas.tasks.WORK_FIELDS`), so a
-    # moved task runs exactly as asked; see `schemas.route.RouteRequest` for each.
-    images: list[str] | None = None
-    tools: list[dict[str, Any]] | None = None
-    format: OutputFormat | None = None
-    keep_alive: float | str | None = None
-    suffix: str | None = None
-    input: list[str] | None = None
-    truncate: bool | None = None
-    dimensions: int | None = None
-    normalize: bool = True
     client: str | None = None
     """The gateway key the task came in with (`schemas.route.RouteRequest.client`)."""
 
@@ -269,8 +257,9 @@ AnyEvent = TaskEvent | WorkerEvent | StatsEvent | QualityEvent | BenchEvent
 
 TERMINAL_KINDS = frozenset({"completed", "failed"})
 
-task_event_decoder = msgspec.json.Decoder(TaskEvent)
-any_event_decoder = msgspec.json.Decoder(AnyEvent)
+# Both read a ``submitted`` event of the shape before `Work` too (`BothShapes`).
+task_event_decoder: Final[BothShapes[TaskEvent]] = BothShapes(TaskEvent)
+any_event_decoder: Final[BothShapes[AnyEvent]] = BothShapes(AnyEvent)
 encoder = msgspec.json.Encoder()
 
 

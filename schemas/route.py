@@ -11,7 +11,15 @@ import msgspec
 from schemas.base import Wire
 from schemas.measures import Durations, Tokens
 
-TaskType = Literal["inference", "web_search", "embedding"]
+# Defined with `Work` (which a route request is); re-exported here, where every reader has
+# always imported them from.
+from schemas.work import ChatMessage as ChatMessage  # noqa: PLC0414
+from schemas.work import ChatRole as ChatRole  # noqa: PLC0414
+from schemas.work import OutputFormat as OutputFormat  # noqa: PLC0414
+from schemas.work import TaskType as TaskType  # noqa: PLC0414
+from schemas.work import ToolCall as ToolCall  # noqa: PLC0414
+from schemas.work import Work, work_only
+
 TaskStatus = Literal["queued", "running", "done", "failed"]
 
 # A model name meaning "the model the serving worker is configured with". Only web-search
@@ -26,26 +34,6 @@ class Source(Wire, frozen=True, kw_only=True):
     title: str
     url: str
     snippet: str = ""
-
-
-ChatRole = Literal["system", "user", "assistant", "tool"]
-
-# Ollama's ``format``: "json" for any JSON value, or a JSON schema the answer must follow.
-# OpenAI's ``response_format`` maps onto it (json_object -> "json", json_schema -> its schema).
-OutputFormat = Literal["json"] | dict[str, Any]
-
-
-class ToolCall(Wire, frozen=True, kw_only=True):
-    """A model's request to call one of the tools it was given.
-
-    ``arguments`` is a JSON object as Ollama has it; a server whose arguments text is not a
-    JSON object (OpenAI's API allows that) leaves the text as it came. ``id`` is OpenAI's
-    call id (Ollama has none; the gateway makes one from the task id and ``index``)."""
-
-    name: str
-    arguments: dict[str, Any] | str = msgspec.field(default_factory=dict)
-    id: str | None = None
-    index: int = 0
 
 
 def image_problem(images: list[str] | None, where: str = "") -> str | None:
@@ -166,59 +154,19 @@ def request_problem(request: RouteRequest) -> str | None:
     return next((problem for problem in problems if problem is not None), None)
 
 
-class ChatMessage(Wire, frozen=True, kw_only=True):
-    """One turn of a conversation, as Ollama's ``/api/chat`` and OpenAI's chat API take it."""
+class RouteRequest(Work, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a client asks for: the `Work` for the backend, and how to route and answer it.
+    Unknown fields are refused: a typo must not pass silently.
 
-    role: ChatRole
-    content: str = ""
-    images: list[str] | None = None
-    """Base64 image data (no ``data:`` prefix), as Ollama takes it; a model needs ``vision``."""
-    tool_calls: list[ToolCall] | None = None
-    """An assistant turn's calls to tools."""
-    tool_name: str | None = None
-    """A ``tool`` turn: the name of the tool whose result ``content`` is (Ollama's field)."""
-    tool_call_id: str | None = None
-    """A ``tool`` turn: the call it answers (OpenAI's field)."""
+    A `Work` by inheritance rather than holding one, so the request keeps its flat JSON
+    shape (``{"prompt", "model", "stream", ...}``, what clients and the ``nats`` CLI send)
+    while every work field is still declared once, in `Work`; the router nests the work
+    part (`work`) in the ``submitted`` event and the task message."""
 
-
-class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a client asks for. Unknown fields are refused: a typo must not pass silently."""
-
-    prompt: str
     model: str
     worker: str | None = None
-    task_type: TaskType = "inference"
-    domain: str | None = None
-    options: dict[str, Any] | None = None
     wait: bool = False
     timeout_s: float | None = msgspec.field(default=None)
-    stream: bool = False
-    messages: list[ChatMessage] | None = None
-    """A conversation: workers send it to their backend's chat API. ``prompt`` then holds the
-    same conversation as text (`services.gateway.conversation.chat_prompt`), which is what
-    statistics, the judge and a worker that predates this field use."""
-    think: bool | str | None = None
-    """Ollama's ``think`` (true, false, or "high" / "medium" / "low"); None: the model's default."""
-    images: list[str] | None = None
-    """Base64 images for a prompt without ``messages`` (Ollama's ``/api/generate``)."""
-    tools: list[dict[str, Any]] | None = None
-    """Tool definitions in the chat APIs' shape (``{"type": "function", "function": {...}}``);
-    the model may answer with `ToolCall`s instead of text. Needs ``tools``."""
-    format: OutputFormat | None = None
-    keep_alive: float | str | None = None
-    """Ollama's ``keep_alive`` (seconds, or a duration such as "5m"), passed to the backend."""
-    suffix: str | None = None
-    """Text after the insertion point (fill-in-the-middle); needs ``insert``."""
-    input: list[str] | None = None
-    """An ``embedding`` task's texts: one vector each, in order (``prompt`` holds them too,
-    joined, for statistics). One task however many."""
-    truncate: bool | None = None
-    """Embedding: cut an input over the model's context instead of failing (Ollama's default)."""
-    dimensions: int | None = None
-    """Embedding: the length to cut each vector to, for models that allow it."""
-    normalize: bool = True
-    """Embedding: unit-length vectors (``/api/embed``, ``/v1/embeddings``); false for Ollama's
-    older ``/api/embeddings``, whose vectors are the model's own."""
     task_id: str | None = None
     """The task's id, chosen by the client (None: the router makes one). A request naming a
     task that was submitted already submits nothing: it is answered as that task (its end,
@@ -229,6 +177,11 @@ class RouteRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The name of the gateway key the request came in with (``coordinator keys``). The
     gateway sets it, overwriting anything an HTTP client sent; None through an open gateway or
     straight over NATS (where the sender's NATS user is what is trusted)."""
+
+    @property
+    def work(self) -> Work:
+        """What the client asked the backend for, without the routing fields."""
+        return work_only(self)
 
 
 class ErrorDetail(Wire, frozen=True, kw_only=True):
@@ -325,9 +278,13 @@ class StreamChunk(Wire, frozen=True, kw_only=True):
 
     task_id: str
     seq: int
+    """The piece's number within its attempt, from 1 (0: the router's first chunk)."""
     response: str = ""
     thinking: str = ""
     tool_calls: list[ToolCall] | None = None
+    attempt: int | None = None
+    """The attempt whose output this is: a task the reaper moves starts its answer again in
+    its new attempt. None in the router's first chunk, and from a worker that predates it."""
 
 
 class CancelRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):

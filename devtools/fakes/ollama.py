@@ -121,6 +121,7 @@ import http
 import itertools
 import json
 import math
+import os
 import random
 import re
 import select
@@ -197,6 +198,7 @@ _KNOBS = (
     "chunk_delay_s",
     "error_after_chunks",
     "drop_after_chunks",
+    "reset_after_chunks",
     "replies",
 )
 _LAST = ("last_chat", "last_generate", "last_embed", "last_embeddings", "last_openai")
@@ -834,7 +836,7 @@ def _check_knob(name: str, value: object) -> Any:
         if not all(isinstance(item, str) and item for item in value):
             raise ValueError(f"{name} must be a list of non-empty strings")
         return list(value)
-    if name in ("error_after_chunks", "drop_after_chunks"):
+    if name in ("error_after_chunks", "drop_after_chunks", "reset_after_chunks"):
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -1133,6 +1135,7 @@ class _Knobs:
     chunk_delay_s: float
     error_after_chunks: int | None
     drop_after_chunks: int | None
+    reset_after_chunks: int | None = None
 
 
 _PLAIN_KNOBS = _Knobs(0.0, None, 0.0, None, None)
@@ -1184,6 +1187,10 @@ class FakeOllama:
       ``{"error": ...}`` line and end the stream (no ``done`` line); on ``/v1`` an SSE event
       ``data: {"error": {...}}`` and the end, with no ``finish_reason`` and no ``[DONE]``;
     - ``drop_after_chunks``: after N streamed pieces, cut the connection (a crash);
+    - ``reset_after_chunks``: after N streamed pieces, reset the connection (a TCP RST, as
+      a client sees a server process that died with the request unread, or a proxy that
+      gave up); 0: before any answer, once the request is read. Embedding requests, which
+      are not streamed, are reset before any answer whatever N;
     - ``replies``: ``{substring: answer}``; a prompt containing a substring gets that answer
       (the first that matches, in order) instead of the usual one: a judge's verdict, say.
     """
@@ -1219,6 +1226,7 @@ class FakeOllama:
             "chunk_delay_s": 0.0,
             "error_after_chunks": None,
             "drop_after_chunks": None,
+            "reset_after_chunks": None,
             "replies": _check_knob("replies", dict(replies or {})),
         }
         self.delay_s: float = 0.0
@@ -1233,6 +1241,7 @@ class FakeOllama:
         self.chunk_delay_s: float = 0.0
         self.error_after_chunks: int | None = None
         self.drop_after_chunks: int | None = None
+        self.reset_after_chunks: int | None = None
         self.replies: dict[str, str] = {}
         self._lock = threading.Lock()
         self._generate_calls = 0
@@ -1400,6 +1409,7 @@ class FakeOllama:
             chunk_delay_s=self.chunk_delay_s,
             error_after_chunks=self.error_after_chunks,
             drop_after_chunks=self.drop_after_chunks,
+            reset_after_chunks=self.reset_after_chunks,
         )
 
     # ---------------------------------------------------------------- used by the handler
@@ -1999,6 +2009,9 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._pause(knobs.delay_s):
             self.close_connection = True
             return None
+        if knobs.reset_after_chunks == 0:
+            self._reset()
+            return None
         if knobs.fail_status is not None:
             status = knobs.fail_status
             message = _FAILURE_MESSAGES.get(status) or _phrase(status)
@@ -2139,8 +2152,9 @@ class _Handler(BaseHTTPRequestHandler):
         knobs: _Knobs,
     ) -> None:
         """Send a streamed body: the ``pieces`` (made as they are sent), then the ``final``
-        writes, each in its own HTTP chunk, ``chunk_delay_s`` apart; ``error_after_chunks`` and
-        ``drop_after_chunks`` cut it short, with ``error`` or with a dropped connection."""
+        writes, each in its own HTTP chunk, ``chunk_delay_s`` apart; ``error_after_chunks``,
+        ``drop_after_chunks`` and ``reset_after_chunks`` cut it short, with ``error``, with a
+        dropped connection or with a reset one."""
         chunked = self.request_version != "HTTP/1.0"
         self.send_response(200)
         self.send_header("Content-Type", content_type)
@@ -2161,6 +2175,9 @@ class _Handler(BaseHTTPRequestHandler):
             last = piece is None  # None stands for the final writes
             if knobs.drop_after_chunks is not None and (last or sent >= knobs.drop_after_chunks):
                 self._cut()
+                return
+            if knobs.reset_after_chunks is not None and (last or sent >= knobs.reset_after_chunks):
+                self._reset()
                 return
             if knobs.error_after_chunks is not None and (last or sent >= knobs.error_after_chunks):
                 self._released()
@@ -2327,6 +2344,9 @@ class _Handler(BaseHTTPRequestHandler):
         knobs = fake._knobs()
         if not self._pause(knobs.delay_s):
             self.close_connection = True
+            return None
+        if knobs.reset_after_chunks is not None:
+            self._reset()
             return None
         if knobs.fail_status is not None:
             status = knobs.fail_status
@@ -2660,6 +2680,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         with suppress(OSError):
             self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _reset(self) -> None:
+        """Reset the connection now: its descriptor closed with a zero linger, so the kernel
+        sends a TCP RST (no FIN first, which a shutdown would send); what the handler still
+        tries to write or close of it fails quietly."""
+        self.close_connection = True
+        with suppress(OSError):
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            os.close(self.connection.detach())
 
 
 def _embed_inputs(value: object) -> list[str]:

@@ -10,7 +10,9 @@ from typing import Any, Protocol
 
 from schemas.events import Durations, Tokens
 from schemas.models import ModelFacts
-from schemas.route import ChatMessage, DoneReason, OutputFormat, ToolCall
+from schemas.route import DoneReason, ToolCall
+from schemas.work import Work
+from services.runtime.errors import BackendError, BackendServerError
 
 # Called as output arrives, so a long generation can tell the bus it is still working.
 Progress = Callable[[], Awaitable[None]]
@@ -39,6 +41,20 @@ async def drain(lines: AsyncIterator[Any]) -> None:
         async with asyncio.timeout(DRAIN_S):
             async for _ in lines:
                 pass
+
+
+def answer_error(status: int, message: str) -> BackendError:
+    """The failure a server's answer with HTTP ``status`` (not 200) is: a 5xx is the
+    server's own (`BackendServerError`: another server may do the work), any other the
+    request's (a 4xx: a bad request, a model that refuses the input; no server would do
+    better)."""
+    return BackendServerError(message) if status >= 500 else BackendError(message)
+
+
+def embedding_work(inputs: list[str]) -> Work:
+    """The work of embedding ``inputs`` for a call of the worker's own (a sanity run, a
+    probe), not a client's task."""
+    return Work(prompt="\n".join(inputs), task_type="embedding", input=inputs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,43 +98,27 @@ class Backend(Protocol):
     async def generate(
         self,
         model: str,
-        prompt: str,
+        work: Work,
         *,
-        options: dict[str, Any] | None,
         timeout_s: float,
         progress: Progress | None = None,
         on_chunk: OnChunk | None = None,
-        messages: list[ChatMessage] | None = None,
-        think: bool | str | None = None,
-        images: list[str] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        format: OutputFormat | None = None,
-        keep_alive: float | str | None = None,
-        suffix: str | None = None,
     ) -> Generation:
-        """Run one prompt to completion within ``timeout_s``; ``on_chunk`` sees the pieces.
+        """Run ``work`` to completion on ``model`` (the name the server knows it by) within
+        ``timeout_s``; ``on_chunk`` sees the pieces.
 
-        With ``messages`` the conversation goes to the server's chat API instead of ``prompt``
-        (which then holds the same conversation as text); ``think`` is Ollama's switch.
-        ``images`` go with a ``prompt`` (a conversation carries its own per message),
+        With ``messages`` the conversation goes to the server's chat API instead of the
+        prompt (which then holds the same conversation as text); ``think`` is Ollama's
+        switch. ``images`` go with the prompt (a conversation carries its own per message),
         ``tools`` and ``format`` to the server as the chat APIs take them, ``keep_alive``
-        and every option as given (a server without the notion ignores them)."""
+        and every option as given (a server without the notion ignores them). The server is
+        always asked to stream, whatever ``stream`` says (that is for the client)."""
         ...
 
-    async def embed(
-        self,
-        model: str,
-        inputs: list[str],
-        *,
-        timeout_s: float,
-        truncate: bool | None = None,
-        dimensions: int | None = None,
-        keep_alive: float | str | None = None,
-        options: dict[str, Any] | None = None,
-        normalize: bool = True,
-    ) -> Embedding:
-        """One vector per input, in one call. ``normalize`` false asks for the model's own
-        vectors (Ollama's older ``/api/embeddings``, one call per input)."""
+    async def embed(self, model: str, work: Work, *, timeout_s: float) -> Embedding:
+        """One vector per input of ``work.input``, in one call. ``normalize`` false asks
+        for the model's own vectors (Ollama's older ``/api/embeddings``, one call per
+        input)."""
         ...
 
     async def model_facts(self, served: list[str]) -> dict[str, ModelFacts]:

@@ -33,8 +33,8 @@ from yarl import URL
 
 from schemas.events import Durations
 from schemas.models import ModelFacts
-from schemas.route import ChatMessage, OutputFormat
-from services.backends import Embedding, Generation, OnChunk, Progress, drain
+from schemas.work import Work
+from services.backends import Embedding, Generation, OnChunk, Progress, answer_error, drain
 from services.backends.http1 import Http1ConnectTimeout, Http1Error, LinePool, usable_for
 from services.backends.ollama_reply import (
     StreamedAnswer,
@@ -50,7 +50,12 @@ from services.backends.ollama_reply import (
     running_sizes,
 )
 from services.backends.ollama_request import embed_body, generate_body, legacy_embed_body
-from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
+from services.runtime.errors import (
+    BackendError,
+    BackendServerError,
+    BackendTimeout,
+    BackendUnavailable,
+)
 
 # A model's ``/api/show`` reads its files, no more; past this the facts wait for a restart.
 SHOW_TIMEOUT_S = 30.0
@@ -135,7 +140,9 @@ class OllamaBackend:
                 f"Ollama at {self._base_url} cannot be reached: {_describe(exc)}"
             ) from exc
         if status != 200:
-            raise BackendError(f"Ollama at {self._base_url} answered /api/tags with HTTP {status}")
+            raise answer_error(
+                status, f"Ollama at {self._base_url} answered /api/tags with HTTP {status}"
+            )
         return model_names(content, self._base_url)
 
     async def resident_models(self) -> dict[str, int]:
@@ -148,41 +155,24 @@ class OllamaBackend:
                 f"Ollama at {self._base_url} cannot be reached: {_describe(exc)}"
             ) from exc
         if status != 200:
-            raise BackendError(f"Ollama at {self._base_url} answered /api/ps with HTTP {status}")
+            raise answer_error(
+                status, f"Ollama at {self._base_url} answered /api/ps with HTTP {status}"
+            )
         return running_sizes(content, self._base_url)
 
     async def generate(
         self,
         model: str,
-        prompt: str,
+        work: Work,
         *,
-        options: dict[str, Any] | None,
         timeout_s: float,
         progress: Progress | None = None,
         on_chunk: OnChunk | None = None,
-        messages: list[ChatMessage] | None = None,
-        think: bool | str | None = None,
-        images: list[str] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        format: OutputFormat | None = None,
-        keep_alive: float | str | None = None,
-        suffix: str | None = None,
     ) -> Generation:
         """See `Backend.generate`. Tools exist only in ``/api/chat``, so a task with tools
         but no conversation goes there as one user message (with its images); ``suffix``
         exists only in ``/api/generate`` and goes only there."""
-        path, body = generate_body(
-            model,
-            prompt,
-            options=options,
-            messages=messages,
-            think=think,
-            images=images,
-            tools=tools,
-            format=format,
-            keep_alive=keep_alive,
-            suffix=suffix,
-        )
+        path, body = generate_body(model, work)
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
@@ -211,7 +201,9 @@ class OllamaBackend:
             async with self._lines.post(path, encoded, "application/x-ndjson") as small:
                 if small.status != 200:
                     text = (await small.read()).decode(errors="replace")
-                    raise BackendError(f"Ollama answered HTTP {small.status}: {error_text(text)}")
+                    raise answer_error(
+                        small.status, f"Ollama answered HTTP {small.status}: {error_text(text)}"
+                    )
                 lines = small.lines()
                 generation = await self._read(lines, started, progress, on_chunk)
                 await drain(lines)  # to the body's end: the connection is kept
@@ -220,7 +212,9 @@ class OllamaBackend:
         try:
             if reply.status != 200:
                 text = (await reply.read()).decode(errors="replace")
-                raise BackendError(f"Ollama answered HTTP {reply.status}: {error_text(text)}")
+                raise answer_error(
+                    reply.status, f"Ollama answered HTTP {reply.status}: {error_text(text)}"
+                )
             lines = _lines(reply)
             generation = await self._read(lines, started, progress, on_chunk)
             if not reply.content.at_eof():
@@ -269,20 +263,9 @@ class OllamaBackend:
                 await progress()
             if chunk.done:
                 return answer.generation(chunk, (time.perf_counter() - started) * 1000)
-        raise BackendError("Ollama closed the stream before the final chunk")
+        raise BackendServerError("Ollama closed the stream before the final chunk")
 
-    async def embed(
-        self,
-        model: str,
-        inputs: list[str],
-        *,
-        timeout_s: float,
-        truncate: bool | None = None,
-        dimensions: int | None = None,
-        keep_alive: float | str | None = None,
-        options: dict[str, Any] | None = None,
-        normalize: bool = True,
-    ) -> Embedding:
+    async def embed(self, model: str, work: Work, *, timeout_s: float) -> Embedding:
         """``POST /api/embed`` with every input at once (unit-length vectors). ``normalize``
         false uses the older ``POST /api/embeddings``, whose vectors are the model's own: one
         call per input, no figures beyond the wall time, and no ``truncate`` or
@@ -290,19 +273,11 @@ class OllamaBackend:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
-                if not normalize:
-                    return await self._embed_legacy(model, inputs, keep_alive, options, started)
-                body = embed_body(
-                    model,
-                    inputs,
-                    truncate=truncate,
-                    dimensions=dimensions,
-                    keep_alive=keep_alive,
-                    options=options,
-                )
+                if not work.normalize:
+                    return await self._embed_legacy(model, work, started)
                 return embedding_of(
-                    await self._post("/api/embed", body),
-                    len(inputs),
+                    await self._post("/api/embed", embed_body(model, work)),
+                    len(work.input or ()),
                     self._base_url,
                     (time.perf_counter() - started) * 1000,
                 )
@@ -319,17 +294,10 @@ class OllamaBackend:
         except msgspec.DecodeError as exc:
             raise BackendError(f"Ollama at {self._base_url}: malformed embed reply: {exc}") from exc
 
-    async def _embed_legacy(
-        self,
-        model: str,
-        inputs: list[str],
-        keep_alive: float | str | None,
-        options: dict[str, Any] | None,
-        started: float,
-    ) -> Embedding:
+    async def _embed_legacy(self, model: str, work: Work, started: float) -> Embedding:
         vectors: list[bytes] = []
-        for text in inputs:
-            body = legacy_embed_body(model, text, keep_alive, options)
+        for text in work.input or ():
+            body = legacy_embed_body(model, text, work)
             vectors.append(legacy_vector(await self._post("/api/embeddings", body)))
         return Embedding(
             vectors=vectors, durations=Durations(total_ms=(time.perf_counter() - started) * 1000)
@@ -349,7 +317,9 @@ class OllamaBackend:
             content = await reply.read()
             if reply.status != 200:
                 text = content.decode(errors="replace")
-                raise BackendError(f"Ollama answered HTTP {reply.status}: {error_text(text)}")
+                raise answer_error(
+                    reply.status, f"Ollama answered HTTP {reply.status}: {error_text(text)}"
+                )
             return content
 
     async def model_facts(self, served: list[str]) -> dict[str, ModelFacts]:

@@ -17,7 +17,7 @@ from schemas.models import ModelDetails, ModelFacts
 from schemas.route import DoneReason, ToolCall
 from schemas.vectors import pack
 from services.backends import Embedding, Generation
-from services.runtime.errors import BackendError
+from services.runtime.errors import BackendError, BackendServerError
 
 NS_PER_MS = 1_000_000
 
@@ -164,14 +164,14 @@ class StreamedAnswer:
 
 
 def decode_line(line: bytes) -> _Chunk:
-    """One NDJSON line of the stream; a malformed line or an error Ollama reports in the
-    stream is a `BackendError`."""
+    """One NDJSON line of the stream; a malformed line is a `BackendError`, an error Ollama
+    reports in the stream (its runner failed mid-way) a `BackendServerError`."""
     try:
         chunk = _chunk_decoder.decode(line)
     except msgspec.DecodeError as exc:
         raise BackendError(f"Ollama sent a malformed line: {line[:200]!r}") from exc
     if chunk.error:
-        raise BackendError(f"Ollama reported an error: {chunk.error}")
+        raise BackendServerError(f"Ollama reported an error: {chunk.error}")
     return chunk
 
 

@@ -11,80 +11,61 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from schemas.route import ChatMessage, OutputFormat, ToolCall
+from schemas.work import ChatMessage, ToolCall, Work
 
 
-def generate_body(
-    model: str,
-    prompt: str,
-    *,
-    options: dict[str, Any] | None,
-    messages: list[ChatMessage] | None,
-    think: bool | str | None,
-    images: list[str] | None,
-    tools: list[dict[str, Any]] | None,
-    format: OutputFormat | None,
-    keep_alive: float | str | None,
-    suffix: str | None,
-) -> tuple[str, dict[str, Any]]:
+def generate_body(model: str, work: Work) -> tuple[str, dict[str, Any]]:
     """The path (``/api/chat`` or ``/api/generate``) and the streamed request of one
-    generation."""
+    generation (streamed whatever ``work.stream`` says: see `services.backends.ollama`)."""
     body: dict[str, Any] = {"model": model, "stream": True}
-    if messages or tools:
-        conversation = messages or [ChatMessage(role="user", content=prompt, images=images or None)]
+    if work.messages or work.tools:
+        conversation = work.messages or [
+            ChatMessage(role="user", content=work.prompt, images=work.images or None)
+        ]
         body["messages"] = [_message(m) for m in conversation]
-        if tools:
-            body["tools"] = tools
+        if work.tools:
+            body["tools"] = work.tools
         path = "/api/chat"
     else:
-        body["prompt"] = prompt
-        if images:
-            body["images"] = images
-        if suffix:
-            body["suffix"] = suffix
+        body["prompt"] = work.prompt
+        if work.images:
+            body["images"] = work.images
+        if work.suffix:
+            body["suffix"] = work.suffix
         path = "/api/generate"
-    if options:
-        body["options"] = options
-    if think is not None:
-        body["think"] = think
-    if format is not None:
-        body["format"] = format
-    if keep_alive is not None:
-        body["keep_alive"] = keep_alive
+    if work.options:
+        body["options"] = work.options
+    if work.think is not None:
+        body["think"] = work.think
+    if work.format is not None:
+        body["format"] = work.format
+    if work.keep_alive is not None:
+        body["keep_alive"] = work.keep_alive
     return path, body
 
 
-def embed_body(
-    model: str,
-    inputs: list[str],
-    *,
-    truncate: bool | None,
-    dimensions: int | None,
-    keep_alive: float | str | None,
-    options: dict[str, Any] | None,
-) -> dict[str, Any]:
+def embed_body(model: str, work: Work) -> dict[str, Any]:
     """One ``/api/embed`` request for every input."""
-    body: dict[str, Any] = {"model": model, "input": inputs}
-    if truncate is not None:
-        body["truncate"] = truncate
-    if dimensions is not None:
-        body["dimensions"] = dimensions
-    if keep_alive is not None:
-        body["keep_alive"] = keep_alive
-    if options:
-        body["options"] = options
+    body: dict[str, Any] = {"model": model, "input": work.input or []}
+    if work.truncate is not None:
+        body["truncate"] = work.truncate
+    if work.dimensions is not None:
+        body["dimensions"] = work.dimensions
+    if work.keep_alive is not None:
+        body["keep_alive"] = work.keep_alive
+    if work.options:
+        body["options"] = work.options
     return body
 
 
-def legacy_embed_body(
-    model: str, text: str, keep_alive: float | str | None, options: dict[str, Any] | None
-) -> dict[str, Any]:
-    """One ``/api/embeddings`` request: one input, no ``truncate`` or ``dimensions``."""
+def legacy_embed_body(model: str, text: str, work: Work) -> dict[str, Any]:
+    """One ``/api/embeddings`` request for ``text``, one of ``work``'s inputs: no
+    ``truncate`` or ``dimensions`` (the older API has neither)."""
     body: dict[str, Any] = {"model": model, "prompt": text}
-    if keep_alive is not None:
-        body["keep_alive"] = keep_alive
-    if options:
-        body["options"] = options
+    if work.keep_alive is not None:
+        body["keep_alive"] = work.keep_alive
+    if work.options:
+        body["options"] = work.options
     return body
 
 

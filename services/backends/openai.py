@@ -20,8 +20,16 @@ import httpx
 import structlog
 
 from schemas.models import EMBEDDING, ModelFacts
-from schemas.route import ChatMessage, OutputFormat
-from services.backends import Embedding, Generation, OnChunk, Progress, drain
+from schemas.work import Work
+from services.backends import (
+    Embedding,
+    Generation,
+    OnChunk,
+    Progress,
+    answer_error,
+    drain,
+    embedding_work,
+)
 from services.backends.openai_reply import (
     ChatStream,
     ModelEntry,
@@ -35,7 +43,12 @@ from services.backends.openai_reply import (
     template_capabilities,
 )
 from services.backends.openai_request import chat_body, embeddings_body
-from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
+from services.runtime.errors import (
+    BackendError,
+    BackendServerError,
+    BackendTimeout,
+    BackendUnavailable,
+)
 
 log = structlog.get_logger("worker")
 
@@ -82,44 +95,28 @@ class OpenAIBackend:
                 f"{self._base_url} cannot be reached: {_describe(exc)}"
             ) from exc
         if reply.status_code != 200:
-            raise BackendError(f"{self._base_url}/models answered HTTP {reply.status_code}")
+            status = reply.status_code
+            raise answer_error(status, f"{self._base_url}/models answered HTTP {status}")
         return decode_models(reply.content, self._base_url)
 
     async def generate(
         self,
         model: str,
-        prompt: str,
+        work: Work,
         *,
-        options: dict[str, Any] | None,
         timeout_s: float,
         progress: Progress | None = None,
         on_chunk: OnChunk | None = None,
-        messages: list[ChatMessage] | None = None,
-        think: bool | str | None = None,
-        images: list[str] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        format: OutputFormat | None = None,
-        keep_alive: float | str | None = None,
-        suffix: str | None = None,
     ) -> Generation:
         """See `Backend.generate`. ``keep_alive`` is dropped (no such notion here); a
         ``suffix`` is refused: a chat API has no fill-in-the-middle, and `model_facts` never
         reports ``insert`` for these servers, so the router sends none here."""
-        if suffix:
+        if work.suffix:
             raise BackendError(
                 f"{self._base_url}: fill-in-the-middle (suffix) is not available through an "
                 "OpenAI-compatible chat API"
             )
-        body = chat_body(
-            model,
-            prompt,
-            options=options,
-            messages=messages,
-            think=think,
-            images=images,
-            tools=tools,
-            format=format,
-        )
+        body = chat_body(model, work)
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
@@ -151,8 +148,9 @@ class OpenAIBackend:
         async with self._sent(request) as reply:
             if reply.status_code != 200:
                 text = (await reply.aread()).decode(errors="replace")
-                raise BackendError(
-                    f"{self._base_url} answered HTTP {reply.status_code}: {error_text(text)}"
+                raise answer_error(
+                    reply.status_code,
+                    f"{self._base_url} answered HTTP {reply.status_code}: {error_text(text)}",
                 )
             lines = reply.aiter_lines()
             async for line in lines:
@@ -176,24 +174,13 @@ class OpenAIBackend:
                 if progress is not None:
                     await progress()
         if not finished:
-            raise BackendError(f"{self._base_url} closed the stream before [DONE]")
+            raise BackendServerError(f"{self._base_url} closed the stream before [DONE]")
         calls = stream.finish()  # a server that sent no finish_reason
         if calls is not None and on_chunk is not None:
             await on_chunk("", "", calls)
         return stream.generation((time.perf_counter() - started) * 1000)
 
-    async def embed(
-        self,
-        model: str,
-        inputs: list[str],
-        *,
-        timeout_s: float,
-        truncate: bool | None = None,
-        dimensions: int | None = None,
-        keep_alive: float | str | None = None,
-        options: dict[str, Any] | None = None,
-        normalize: bool = True,
-    ) -> Embedding:
+    async def embed(self, model: str, work: Work, *, timeout_s: float) -> Embedding:
         """One ``POST /embeddings`` for all the inputs, vectors put back in input order.
 
         ``normalize`` false makes the same call: these servers have one embeddings API, and
@@ -201,7 +188,7 @@ class OpenAIBackend:
         ``--embd-normalize``), not the request's. ``truncate``, ``keep_alive`` and
         ``options`` have no field in OpenAI's request and are dropped: an input over the
         model's context is cut or refused as the server does it."""
-        body = embeddings_body(model, inputs, dimensions)
+        body = embeddings_body(model, work)
         started = time.perf_counter()
         try:
             request = self._client.build_request(
@@ -218,11 +205,15 @@ class OpenAIBackend:
                 f"{self._base_url} cannot be reached: {_describe(exc)}"
             ) from exc
         if reply.status_code != 200:
-            raise BackendError(
-                f"{self._base_url} answered HTTP {reply.status_code}: {error_text(reply.text)}"
+            raise answer_error(
+                reply.status_code,
+                f"{self._base_url} answered HTTP {reply.status_code}: {error_text(reply.text)}",
             )
         return embedding_of(
-            reply.content, len(inputs), self._base_url, (time.perf_counter() - started) * 1000
+            reply.content,
+            len(work.input or ()),
+            self._base_url,
+            (time.perf_counter() - started) * 1000,
         )
 
     @asynccontextmanager
@@ -290,7 +281,7 @@ class OpenAIBackend:
 
     async def _embeds(self, model: str) -> bool:
         try:
-            await self.embed(model, ["a"], timeout_s=10.0)
+            await self.embed(model, embedding_work(["a"]), timeout_s=10.0)
         except BackendError:
             return False
         return True

@@ -22,7 +22,7 @@ from schemas.models import COMPLETION, THINKING, TOOLS, VISION, ModelDetails, Mo
 from schemas.route import DoneReason, ToolCall
 from schemas.vectors import pack
 from services.backends import Embedding, Generation
-from services.runtime.errors import BackendError
+from services.runtime.errors import BackendError, BackendServerError
 
 # ``finish_reason`` as `DoneReason`; ``function_call`` is the older name of ``tool_calls``.
 _DONE_REASONS: dict[str, DoneReason] = {
@@ -222,14 +222,14 @@ class ChatStream:
 
 
 def decode_chunk(data: str, address: str) -> _Chunk:
-    """One ``data:`` line of the stream; a malformed line or an error the server reports in
-    the stream is a `BackendError`."""
+    """One ``data:`` line of the stream; a malformed line is a `BackendError`, an error the
+    server reports in the stream a `BackendServerError`."""
     try:
         chunk = _chunk_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise BackendError(f"malformed stream line: {data[:200]!r}") from exc
     if chunk.error is not None:
-        raise BackendError(f"{address} reported an error: {chunk.error.message}")
+        raise BackendServerError(f"{address} reported an error: {chunk.error.message}")
     return chunk
 
 

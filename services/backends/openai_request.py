@@ -13,7 +13,7 @@ import binascii
 import json
 from typing import Any
 
-from schemas.route import ChatMessage, OutputFormat, ToolCall
+from schemas.work import ChatMessage, OutputFormat, ToolCall, Work
 
 # Ollama's option names mapped to request fields. The first group is OpenAI's own; the rest
 # are the sampling fields llama.cpp's server takes under Ollama's very names (its
@@ -46,23 +46,14 @@ _OPTION_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def chat_body(
-    model: str,
-    prompt: str,
-    *,
-    options: dict[str, Any] | None,
-    messages: list[ChatMessage] | None,
-    think: bool | str | None,
-    images: list[str] | None,
-    tools: list[dict[str, Any]] | None,
-    format: OutputFormat | None,
-) -> dict[str, Any]:
+def chat_body(model: str, work: Work) -> dict[str, Any]:
     """A streamed ``/chat/completions`` request (with usage asked for) for one generation: the
-    conversation, or ``prompt`` (with its images) as one user message."""
+    conversation, or the prompt (with its images) as one user message. ``keep_alive`` has
+    no field here, and a ``suffix`` is the caller's to refuse."""
     conversation = (
-        _conversation(messages)
-        if messages
-        else [_message(ChatMessage(role="user", content=prompt, images=images or None))]
+        _conversation(work.messages)
+        if work.messages
+        else [_message(ChatMessage(role="user", content=work.prompt, images=work.images or None))]
     )
     body: dict[str, Any] = {
         "model": model,
@@ -70,23 +61,24 @@ def chat_body(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    for name, value in (options or {}).items():
+    for name, value in (work.options or {}).items():
         for target in _OPTION_FIELDS.get(name, ()):
             body[target] = value
-    if isinstance(think, str):
-        body["reasoning_effort"] = think  # how OpenAI's API (and Ollama's /v1) say it
-    if tools:
-        body["tools"] = tools
-    if format is not None:
-        body["response_format"] = _response_format(format)
+    if isinstance(work.think, str):
+        body["reasoning_effort"] = work.think  # how OpenAI's API (and Ollama's /v1) say it
+    if work.tools:
+        body["tools"] = work.tools
+    if work.format is not None:
+        body["response_format"] = _response_format(work.format)
     return body
 
 
-def embeddings_body(model: str, inputs: list[str], dimensions: int | None) -> dict[str, Any]:
-    """One ``/embeddings`` request for every input, vectors asked for as floats."""
-    body: dict[str, Any] = {"model": model, "input": inputs, "encoding_format": "float"}
-    if dimensions is not None:
-        body["dimensions"] = dimensions
+def embeddings_body(model: str, work: Work) -> dict[str, Any]:
+    """One ``/embeddings`` request for every input, vectors asked for as floats; of the
+    rest only ``dimensions`` has a field in OpenAI's request."""
+    body: dict[str, Any] = {"model": model, "input": work.input or [], "encoding_format": "float"}
+    if work.dimensions is not None:
+        body["dimensions"] = work.dimensions
     return body
 
 

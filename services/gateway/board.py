@@ -175,12 +175,12 @@ class TaskBoard:
                     TaskLine(
                         task_id=event.task_id,
                         model=event.model,
-                        kind=event.task_type,
+                        kind=event.work.task_type,
                         submitted_at=event.at,
                         client=event.client,
                     )
                 )
-                return [Submitted(event.task_id, event.model, event.task_type)]
+                return [Submitted(event.task_id, event.model, event.work.task_type)]
             case TaskRouted():
                 return self._routed(event)
             case TaskStarted() | TaskCompleted() | TaskFailed():

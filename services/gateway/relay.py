@@ -10,7 +10,10 @@ status. Every relayed request ends in one ``request`` log line.
 Each request names its task (``task_id``, chosen here), so when the router says nothing for
 ``GATEWAY_REASK_S`` (it died with the answer, or the connection lost it) the same request is sent
 again: a router answers it as the task it names (`services.router.following`), and a stream
-gets the rest of the answer that its lost pieces held.
+gets the rest of the answer that its lost pieces held. A stream's pieces are written as
+`services.gateway.streamed` says: a task run again by a newer attempt neither repeats nor
+garbles what was written, and ends in the API's mid-stream error when its answer does not
+continue it.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client
 
-from schemas.route import CHUNK_HEADER, RouteReply, RouteRequest, StreamChunk
+from schemas.route import CHUNK_HEADER, RouteRequest, StreamChunk
 from schemas.subjects import ROUTE
 from services.gateway.bus import FleetBus, next_msg
 from services.gateway.common import ApiError, Shape
 from services.gateway.responses import JSON, error_response
+from services.gateway.streamed import Sent
 from services.gateway.task_api import TaskShape
 from services.runtime.errors import TooLarge, WaitTimeout
 from services.runtime.lifecycle import TaskSet
@@ -88,7 +92,7 @@ class Relay:
             await self.nc.publish(ROUTE, encoded, reply=inbox)
             wait_s = self._wait_s(route)
             heard = time.monotonic()
-            sent = Sent()  # what the stream has written of the answer
+            sent = Sent(route.task_id)  # what the stream has written of the answer
             while True:
                 silent_s = time.monotonic() - heard
                 reask_s = self.settings.gateway_reask_s
@@ -108,8 +112,8 @@ class Relay:
                 if CHUNK_HEADER in headers:
                     chunk = _chunk_decoder.decode(msg.data)
                     task_id = chunk.task_id
-                    sent.add(chunk)
-                    piece = shape.piece(chunk)
+                    fresh = sent.add(chunk)
+                    piece = None if fresh is None else shape.piece(fresh)
                     if response is None and (piece is not None or shape.start_on_accept):
                         response = await self._start(request, shape, task_id)
                     if piece is not None and response is not None:
@@ -182,39 +186,3 @@ class Relay:
         if route.timeout_s is not None:
             return route.timeout_s + WAIT_MARGIN_S
         return self.settings.gateway_reply_timeout_s
-
-
-class Sent:
-    """What a stream has written of the answer, so that after a request was asked again (its
-    pieces since the router went silent are lost) the final reply's rest can be written."""
-
-    def __init__(self) -> None:
-        self.asked_again = False
-        self.response = ""
-        self.thinking = ""
-        self.tool_calls = 0
-
-    def add(self, chunk: StreamChunk) -> None:
-        self.response += chunk.response
-        self.thinking += chunk.thinking
-        self.tool_calls += len(chunk.tool_calls or ())
-
-    def rest(self, reply: RouteReply) -> StreamChunk | None:
-        """The part of ``reply`` no piece carried, as one piece; None when nothing is missing
-        or the request was never asked again (then every piece came, in order). An answer
-        that does not continue what was written (the task was run again elsewhere) has no
-        rest to give: the end line closes the stream."""
-        if not self.asked_again or reply.status != "done":
-            return None
-        response, thinking = reply.response or "", reply.thinking or ""
-        if not (response.startswith(self.response) and thinking.startswith(self.thinking)):
-            return None
-        calls = (reply.tool_calls or [])[self.tool_calls :]
-        rest = StreamChunk(
-            task_id=reply.task_id,
-            seq=-1,
-            response=response[len(self.response) :],
-            thinking=thinking[len(self.thinking) :],
-            tool_calls=calls or None,
-        )
-        return rest if rest.response or rest.thinking or calls else None

@@ -2,8 +2,9 @@
 
 Moving attempt N to attempt N+1, in this order:
 
-1. the task's ``submitted`` event is read back (the whole request: prompt, options, chat
-   messages), so the new message is the task as the client asked for it;
+1. the task's ``submitted`` event is read back: its `schemas.work.Work` (everything the
+   client asked for, ``stream`` included) goes into the new message whole, so the new
+   attempt runs as the client asked;
 2. ``routed`` (attempt N+1) is stored: the fence. From now on a worker holding a copy of
    attempt N finds a newer attempt routed and drops it unrun (``services/worker``), the
    server refuses attempt N's outcome (`services.runtime.outcomes.attempt_fence`), and the
@@ -49,7 +50,7 @@ from schemas.events import (
 )
 from schemas.route import CancelNotice
 from schemas.subjects import TASKS_STREAM, cancel_notice, task_event
-from schemas.tasks import TaskMessage, work_of
+from schemas.tasks import TaskMessage
 from services.reaper.decisions import Fail, Move
 from services.reaper.detectors import DuplicateFinding
 from services.runtime.bus import publish_event
@@ -162,7 +163,7 @@ class Actions:
             model=submitted.model,
             timeout_s=submitted.timeout_s,
             submitted_at=submitted.at,
-            **work_of(submitted),
+            work=submitted.work,
             routed_seq=int(routed.seq),  # a repeated move gets the first one's sequence
         )
         await self.js.publish(

@@ -87,21 +87,21 @@ def track(state: TaskTrack | None, event: TaskEvent) -> TaskTrack:
                 return TaskTrack(
                     task_id=event.task_id,
                     model=event.model,
-                    task_type=event.task_type,
+                    task_type=event.work.task_type,
                     timeout_s=event.timeout_s,
                     designated=event.requested_worker,
                     since=event.at,
-                    needs=needs_of(event),
-                    domain=event.domain,
+                    needs=needs_of(event.work),
+                    domain=event.work.domain,
                 )
             return dataclasses.replace(
                 state,
                 model=event.model,
-                task_type=event.task_type,
+                task_type=event.work.task_type,
                 timeout_s=event.timeout_s,
                 designated=event.requested_worker,
-                needs=needs_of(event),
-                domain=state.domain or event.domain,
+                needs=needs_of(event.work),
+                domain=state.domain or event.work.domain,
             )
         case TaskRouted():
             current = state or TaskTrack(task_id=event.task_id, since=event.at)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from schemas.route import RouteRequest
 from schemas.tasks import needs_of
+from schemas.work import Work
 from schemas.workers import WorkerRecord
 from services.fleet import policy
 from services.fleet.domains import classify_domain
@@ -76,6 +77,9 @@ class Submission:
     task_id: str
     request: RouteRequest
     """As routed: the model's canonical name (`services.router.requests.as_routed`)."""
+    work: Work
+    """What the client asked the backend for, taken from ``request`` once: the ``submitted``
+    event and the task message nest this one value."""
     asked_model: str
     """The model as the client named it."""
     plan: Plan
@@ -117,6 +121,7 @@ def submission(
     return Submission(
         task_id=task_id,
         request=request,
+        work=request.work,
         asked_model=asked_model,
         plan=plan,
         timeout_s=request.timeout_s or default_timeout_s,

@@ -110,7 +110,7 @@ class Follower:
         shared = waiter is not None
         if waiter is None:
             waiter = Waiter(
-                retryable_kind=is_retryable(submitted.task_type),
+                retryable_kind=is_retryable(submitted.work.task_type),
                 moves_on=self.moves_on,
                 routed_to=routed_to,
                 supports=self.supports,

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from schemas.events import TaskCompleted, TaskFailed, TaskRouted, TaskSubmitted
 from schemas.route import ErrorDetail, RouteReply
-from schemas.tasks import TaskMessage, work_of
+from schemas.tasks import TaskMessage
 from services.fleet.policy import Decision
 from services.router.decide import Submission
 from services.runtime.errors import Unavailable, WakeTimeout
@@ -27,7 +27,7 @@ def submitted_event(task: Submission) -> TaskSubmitted:
         requested_model=task.requested_model,
         timeout_s=task.timeout_s,
         client=request.client,
-        **work_of(request),
+        work=task.work,
     )
 
 
@@ -53,9 +53,8 @@ def task_message(task: Submission, routed_seq: int) -> TaskMessage:
         attempt=1,
         model=request.model,
         timeout_s=task.timeout_s,
-        stream=request.stream,
         submitted_at=task.submitted_at,
-        **work_of(request),
+        work=task.work,
         routed_seq=routed_seq,
     )
 

@@ -135,6 +135,7 @@ def chunk_publisher(
             response=response,
             thinking=thinking,
             tool_calls=tool_calls,
+            attempt=task.attempt,
         )
         await nc.publish(subject, _encoder.encode(chunk), headers={CHUNK_HEADER: str(seq)})
 

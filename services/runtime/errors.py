@@ -171,6 +171,16 @@ class BackendError(CoordinatorError):
     code = "backend_error"
 
 
+class BackendServerError(BackendError):
+    """The model server failed at its own work: an HTTP 5xx (a runner that crashed or ran
+    out of memory, a server too busy), an error it reported mid-stream, or a stream it cut
+    short. Another server may well do the work: retryable, and the worker that saw it is
+    degraded until its probe finds the backend working."""
+
+    code = "backend_server_error"
+    retryable = True
+
+
 class BackendTimeout(BackendError):
     code = "backend_timeout"
     retryable = True
@@ -223,6 +233,14 @@ class Cancelled(CoordinatorError):
     """The task's client cancelled it (``coordinator.cancel``); says nothing about the worker."""
 
     code = "cancelled"
+
+
+class StreamDiverged(CoordinatorError):
+    """A streamed task was run again (its worker was lost mid-answer) and the answer of the
+    new attempt does not continue what the stream had already written: a stream cannot take
+    text back, so it ends with this error naming the task, whose whole answer can be read."""
+
+    code = "stream_diverged"
 
 
 class InvalidApiKey(CoordinatorError):

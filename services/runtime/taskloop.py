@@ -54,7 +54,7 @@ from nats.js import JetStreamContext
 
 from schemas.events import WorkerRegistered
 from schemas.subjects import CANCEL_NOTICES
-from schemas.tasks import TaskMessage
+from schemas.tasks import task_decoder
 from schemas.workers import WorkerRecord
 from services import __version__
 from services.runtime.acks import ACK, NAK, STOP_SETTLE_S, recover_lost_delivery, settle
@@ -72,7 +72,7 @@ from services.runtime.watchdog import Watchdog
 
 log = structlog.get_logger("taskloop")
 
-_task_decoder = msgspec.json.Decoder(TaskMessage)
+_task_decoder = task_decoder
 _encoder = msgspec.json.Encoder()
 
 # Long-poll times: the first queue long (tasks for this worker), the others short (so a task

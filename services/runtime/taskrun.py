@@ -24,7 +24,7 @@ from structlog.typing import FilteringBoundLogger
 
 from schemas.events import TaskCompleted, TaskFailed, TaskStarted
 from schemas.route import CancelNotice
-from schemas.tasks import TaskMessage
+from schemas.tasks import TaskMessage, task_decoder
 from services.runtime.acks import NAK, TERM, settle
 from services.runtime.attempts import (
     CancelMemory,
@@ -48,7 +48,7 @@ from services.runtime.tracing import extract_context
 log = structlog.get_logger("taskloop")
 tracer = trace.get_tracer("coordinator.taskloop")
 
-_task_decoder = msgspec.json.Decoder(TaskMessage)
+_task_decoder = task_decoder
 _cancel_decoder = msgspec.json.Decoder(CancelNotice)
 
 
@@ -207,7 +207,7 @@ class TaskRunner:
         """The kind's work on a claimed task, kept alive, stoppable by a cancel notice."""
         on_chunk = (
             chunk_publisher(self.nc, task, claimed, self.settings.worker_id)
-            if task.stream
+            if task.work.stream
             else None
         )
         started = time.perf_counter()

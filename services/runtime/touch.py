@@ -26,7 +26,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from schemas.subjects import SHARED_CPU_QUEUE, WEB_QUEUE
-from schemas.tasks import TaskMessage
+from schemas.tasks import task_decoder
 from services.runtime.acks import NAK, STOP_SETTLE_S, settle
 from services.runtime.lease import Lease
 from services.runtime.taskrun import TaskRunner
@@ -37,7 +37,7 @@ log = structlog.get_logger("taskloop")
 # heartbeat interval when that is shorter).
 TOUCH_LOOK_S: Final = 0.1
 
-_task_decoder = msgspec.json.Decoder(TaskMessage)
+_task_decoder = task_decoder
 
 
 class Touch:

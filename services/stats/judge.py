@@ -32,6 +32,7 @@ from nats.js import JetStreamContext
 from schemas.events import QualityScored
 from schemas.route import MAX_TIMEOUT_S
 from schemas.subjects import EVENTS_STREAM, quality_event
+from schemas.work import Work
 from services.backends.ollama import OllamaBackend
 from services.fleet.domains import classify_domain
 from services.runtime.bus import publish_event
@@ -203,8 +204,7 @@ class Judge:
             try:
                 generation = await backend.generate(
                     self.settings.judge_model,
-                    prompt,
-                    options={"temperature": 0},
+                    Work(prompt=prompt, options={"temperature": 0}),
                     timeout_s=self.settings.judge_timeout_s,
                 )
                 break

@@ -246,18 +246,18 @@ def _submitted(state: TaskState | None, event: TaskSubmitted) -> TaskState:
             task_id=event.task_id,
             status="queued",
             model=event.model,
-            domain=event.domain,
-            task_type=event.task_type,
-            prompt=event.prompt,
+            domain=event.work.domain,
+            task_type=event.work.task_type,
+            prompt=event.work.prompt,
             created_at=event.at,
         )
     # Late (after a placeholder) or duplicate: fill in what `submitted` owns, nothing else.
     filled = dataclasses.replace(
         state,
         model=event.model,
-        domain=event.domain,
-        task_type=event.task_type,
-        prompt=event.prompt,
+        domain=event.work.domain,
+        task_type=event.work.task_type,
+        prompt=event.work.prompt,
         created_at=event.at,
     )
     return state if filled == state else filled

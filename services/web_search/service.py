@@ -31,6 +31,7 @@ from nats.aio.client import Client
 from schemas.events import Durations, TaskCompleted, TaskFailed, Tokens
 from schemas.models import ModelFacts
 from schemas.tasks import TaskMessage
+from schemas.work import Work
 from schemas.workers import Capability
 from services import __version__
 from services.backends import Backend, Generation
@@ -160,7 +161,7 @@ class WebSearch:
             sources = await _unless_cut(
                 attempt.cut,
                 self.searxng.search(
-                    task.prompt,
+                    task.work.prompt,
                     limit=s.searxng_results,
                     timeout_s=min(s.search_timeout_s, task.timeout_s),
                     categories=s.searxng_categories,
@@ -198,8 +199,10 @@ class WebSearch:
                     attempt.cut,
                     self.backend.generate(
                         model,
-                        summary_prompt(task.prompt, sources),
-                        options=task.options,
+                        Work(
+                            prompt=summary_prompt(task.work.prompt, sources),
+                            options=task.work.options,
+                        ),
                         timeout_s=budget,
                         progress=attempt.progress,
                     ),

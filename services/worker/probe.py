@@ -20,17 +20,23 @@ from typing import TypeVar
 
 import structlog
 
-from services.backends import Backend, Progress
+from schemas.work import Work
+from services.backends import Backend, Progress, embedding_work
 from services.fleet import health
 from services.fleet.health import Failure, Health, HealthPolicy, ProbeKind
-from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
+from services.runtime.errors import (
+    BackendError,
+    BackendServerError,
+    BackendTimeout,
+    BackendUnavailable,
+)
 
 log = structlog.get_logger("worker")
 
 T = TypeVar("T")
 
-# The probe's prompt: any model answers it; one token is enough.
-PROBE_PROMPT = "Reply with the single word OK."
+# The probe's generation: any model answers it; one token is enough.
+PROBE_WORK = Work(prompt="Reply with the single word OK.", options={"num_predict": 1})
 
 
 async def watched(
@@ -71,12 +77,23 @@ async def watched(
 
 
 def failure_of(exc: BackendError) -> Failure:
-    """How a task's backend failure counts for health: an unreachable or hanging backend is
-    degraded at once; any other error (an error answer, the task's own timeout) asks for a
-    generation probe."""
+    """How a task's backend failure counts for health: a backend unreachable (a connection
+    refused or reset), hanging (no first token in time, a stalled stream) or failing at its
+    own work (an HTTP 5xx, an error mid-stream) is degraded at once, so nothing more is
+    routed to it until a probe finds it working; any other failure (a refusal of the
+    request, the task's own timeout) asks for a generation probe."""
     stalled = isinstance(exc, BackendTimeout) and exc.stalled
-    degrades = stalled or isinstance(exc, BackendUnavailable)
+    degrades = stalled or isinstance(exc, BackendUnavailable | BackendServerError)
     return Failure(reason=f"{exc.code}: {exc.message}", degrades=degrades)
+
+
+def runs_elsewhere(exc: BackendError, streamed: bool) -> bool:
+    """May the task whose backend call failed with ``exc`` be run again by another worker
+    (its failure retryable: the reaper moves it)? When the failure is the backend's own
+    (`retryable` by its class: unreachable, reset, a 5xx, a timeout) and no output of it
+    reached the client yet: a streamed answer cut off midway is not run again, since a new
+    answer would not continue what the client has."""
+    return exc.retryable and not streamed
 
 
 class BackendProbe:
@@ -219,16 +236,12 @@ class BackendProbe:
         """One token of ``model`` (one embedding of an embedding-only one), within the
         first-token timeout."""
         if embeds_only:
-            await self.backend.embed(model, ["OK"], timeout_s=self.first_token_s)
+            await self.backend.embed(model, embedding_work(["OK"]), timeout_s=self.first_token_s)
             return
 
         def generate(progress: Progress) -> Awaitable[object]:
             return self.backend.generate(
-                model,
-                PROBE_PROMPT,
-                options={"num_predict": 1},
-                timeout_s=self.first_token_s,
-                progress=progress,
+                model, PROBE_WORK, timeout_s=self.first_token_s, progress=progress
             )
 
         await watched(

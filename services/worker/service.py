@@ -20,9 +20,11 @@ from opentelemetry import trace
 
 from schemas.events import Durations, TaskCompleted, TaskFailed
 from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing
+from schemas.route import ToolCall
 from schemas.subjects import worker_consumer, worker_queue_filter
 from schemas.tasks import TaskMessage, needs_of
-from services.backends import Backend, Embedding, Generation, OnChunk, Progress
+from schemas.work import Work
+from services.backends import Backend, Embedding, Generation, OnChunk, Progress, embedding_work
 from services.backends.choose import make_backend
 from services.fleet.health import HealthPolicy
 from services.runtime.aliases import AliasFollower
@@ -33,13 +35,13 @@ from services.runtime.settings import WorkerSettings
 from services.runtime.sleep import SleepPolicy
 from services.runtime.taskkind import Attempt, LoopSettings, loop_settings
 from services.runtime.taskloop import TaskLoop
-from services.worker.probe import BackendProbe, failure_of, watched
+from services.worker.probe import BackendProbe, failure_of, runs_elsewhere, watched
 
 log = structlog.get_logger("worker")
 tracer = trace.get_tracer("coordinator.worker")
 
 # A prompt any model can answer quickly; it only has to come back without an error.
-SANITY_PROMPT = "Reply with the single word OK."
+SANITY_WORK = Work(prompt="Reply with the single word OK.", options={"num_predict": 8})
 
 
 class Inference:
@@ -176,14 +178,11 @@ class Inference:
         tiny embedding; returns its total milliseconds."""
         if self._embeds_only(model):
             embedded = await self.backend.embed(
-                model, ["OK"], timeout_s=self.settings.sanity_timeout_s
+                model, embedding_work(["OK"]), timeout_s=self.settings.sanity_timeout_s
             )
             return embedded.durations.total_ms
         result = await self.backend.generate(
-            model,
-            SANITY_PROMPT,
-            options={"num_predict": 8},
-            timeout_s=self.settings.sanity_timeout_s,
+            model, SANITY_WORK, timeout_s=self.settings.sanity_timeout_s
         )
         return result.durations.total_ms
 
@@ -208,23 +207,37 @@ class Inference:
     def serves(self, task: TaskMessage) -> bool:
         """A shared task is for this worker if it has the model with what the task needs."""
         return task.model in self.models and not missing(
-            needs_of(task), self.capabilities(self.backend_name(task.model))
+            needs_of(task.work), self.capabilities(self.backend_name(task.model))
         )
 
     async def close(self) -> None:
         await self.aliases.stop()
 
     async def run(self, attempt: Attempt) -> TaskCompleted | TaskFailed:
-        """One backend call; a backend error is the task's failure."""
+        """One backend call; a backend error is the task's failure, one another worker may
+        run again (`runs_elsewhere`) unless output of it was streamed already."""
         task = attempt.task
         started = time.perf_counter()
+        streamed = False
+        on_chunk = attempt.on_chunk
+        if on_chunk is not None:
+            passed_on = on_chunk
+
+            async def noted(
+                response: str, thinking: str, tool_calls: list[ToolCall] | None = None
+            ) -> None:
+                nonlocal streamed
+                streamed = True
+                await passed_on(response, thinking, tool_calls)
+
+            on_chunk = noted
         try:
             with tracer.start_as_current_span(
-                "backend embed" if task.task_type == "embedding" else "backend generate",
+                "backend embed" if task.work.task_type == "embedding" else "backend generate",
                 kind=trace.SpanKind.CLIENT,
                 attributes={"server.address": self.backend.address, "model": task.model},
             ):
-                result = await self._call_backend(task, attempt.progress, attempt.on_chunk)
+                result = await self._call_backend(task, attempt.progress, on_chunk)
         except BackendError as exc:
             self.probe.task_ended(failure_of(exc))
             return TaskFailed(
@@ -234,10 +247,10 @@ class Inference:
                 worker=self.settings.worker_id,
                 code=exc.code,
                 reason=exc.message,
-                retryable=exc.retryable,
+                retryable=runs_elsewhere(exc, streamed),
                 durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
             )
-        self.probe.task_ended(None, self.backend_name(task.model), task.keep_alive)
+        self.probe.task_ended(None, self.backend_name(task.model), task.work.keep_alive)
         if isinstance(result, Embedding):
             return TaskCompleted(
                 at=time.time(),
@@ -272,33 +285,12 @@ class Inference:
         """The backend call a task asks for: one embedding call for every input of an
         embedding task, else a generation with everything the client asked for."""
         model = self.backend_name(task.model)
-        if task.task_type == "embedding":
-            return self.backend.embed(
-                model,
-                task.input or [],
-                timeout_s=task.timeout_s,
-                truncate=task.truncate,
-                dimensions=task.dimensions,
-                keep_alive=task.keep_alive,
-                options=task.options,
-                normalize=task.normalize,
-            )
+        if task.work.task_type == "embedding":
+            return self.backend.embed(model, task.work, timeout_s=task.timeout_s)
 
         def generate(alive: Progress) -> Awaitable[Generation]:
             return self.backend.generate(
-                model,
-                task.prompt,
-                options=task.options,
-                timeout_s=task.timeout_s,
-                progress=alive,
-                on_chunk=on_chunk,
-                messages=task.messages,
-                think=task.think,
-                images=task.images,
-                tools=task.tools,
-                format=task.format,
-                keep_alive=task.keep_alive,
-                suffix=task.suffix,
+                model, task.work, timeout_s=task.timeout_s, progress=alive, on_chunk=on_chunk
             )
 
         # Every generation within the first-token and progress timeouts: a hung backend is

@@ -110,7 +110,10 @@ async def test_a_backend_that_answers_500_on_generations_is_degraded_by_the_idle
 
     await eventually(lambda: _is(nc, "cpu-1", "degraded"), timeout_s=5)
     reason = (await workers(nc))["cpu-1"]["health_reason"]
-    assert reason.startswith("probe of ") and "backend_error: Ollama answered HTTP 500" in reason
+    assert (
+        reason.startswith("probe of ")
+        and "backend_server_error: Ollama answered HTTP 500" in reason
+    )
     body, headers = await ask(nc)
     assert headers["Nats-Service-Error-Code"] == "no_worker"
     assert body["error"]["message"].startswith(f"no healthy worker serves model '{MODEL}': ")

@@ -25,10 +25,16 @@ from devtools.fakes.ollama import FakeOllama
 from devtools.servers import free_port
 from schemas.route import ChatMessage, ToolCall
 from schemas.vectors import unpack
+from schemas.work import Work
 from services.backends import Generation
 from services.backends.ollama import OllamaBackend
 from services.backends.openai import OpenAIBackend
-from services.runtime.errors import BackendError, BackendTimeout, BackendUnavailable
+from services.runtime.errors import (
+    BackendError,
+    BackendServerError,
+    BackendTimeout,
+    BackendUnavailable,
+)
 
 CHAT = "qwen2.5:0.5b"  # takes tools
 PLAIN = "gemma3:1b"  # takes no tools
@@ -128,7 +134,9 @@ async def test_a_prompt_goes_to_generate_with_everything_as_given(
 ) -> None:
     options = {"num_predict": 32, "temperature": 0, "top_k": 5, "num_ctx": 2048, "seed": 7}
     result = await ollama_backend.generate(
-        CHAT, "what is 6*7", options=options, timeout_s=10, keep_alive="10m", think=False
+        CHAT,
+        Work(prompt="what is 6*7", options=options, keep_alive="10m", think=False),
+        timeout_s=10,
     )
 
     sent = fake.last()["last_generate"]
@@ -148,11 +156,11 @@ async def test_a_schema_format_reaches_ollama_and_its_answer_follows_it(
     ollama_backend: OllamaBackend, fake: FakeOllama
 ) -> None:
     result = await ollama_backend.generate(
-        CHAT, "Ann is 30", options=None, timeout_s=10, format=PERSON
+        CHAT, Work(prompt="Ann is 30", format=PERSON), timeout_s=10
     )
     assert fake.last()["last_generate"]["format"] == PERSON
     json_result = await ollama_backend.generate(
-        CHAT, "anything", options=None, timeout_s=10, format="json"
+        CHAT, Work(prompt="anything", format="json"), timeout_s=10
     )
 
     assert fake.last()["last_generate"]["format"] == "json"
@@ -165,13 +173,13 @@ async def test_images_go_with_the_prompt_and_a_suffix_to_generate(
     ollama_backend: OllamaBackend, fake: FakeOllama
 ) -> None:
     seen = await ollama_backend.generate(
-        VISION, "what is this?", options=None, timeout_s=10, images=[PNG]
+        VISION, Work(prompt="what is this?", images=[PNG]), timeout_s=10
     )
     assert fake.last()["last_generate"]["images"] == [PNG]
     assert seen.response.endswith("]") and "1 image" in seen.response
 
     await ollama_backend.generate(
-        CODER, "def add(a, b):", options=None, timeout_s=10, suffix="    return c"
+        CODER, Work(prompt="def add(a, b):", suffix="    return c"), timeout_s=10
     )
     assert fake.last()["last_generate"]["suffix"] == "    return c"
 
@@ -182,11 +190,13 @@ async def test_tools_without_a_conversation_go_to_chat_as_one_user_message(
     pieces = Pieces()
     result = await ollama_backend.generate(
         CHAT,
-        'get_weather and get_time for "Paris"',
-        options={"temperature": 0},
+        Work(
+            prompt='get_weather and get_time for "Paris"',
+            options={"temperature": 0},
+            tools=[WEATHER, TIME],
+            images=[PNG],
+        ),
         timeout_s=10,
-        tools=[WEATHER, TIME],
-        images=[PNG],
         on_chunk=pieces,
     )
 
@@ -223,7 +233,7 @@ async def test_a_conversation_with_tool_calls_and_results_goes_in_ollamas_shape(
         ChatMessage(role="tool", content="noon", tool_name="get_time", tool_call_id="call_9"),
     ]
     result = await ollama_backend.generate(
-        CHAT, "", options=None, timeout_s=10, messages=messages, tools=[WEATHER, TIME]
+        CHAT, Work(prompt="", messages=messages, tools=[WEATHER, TIME]), timeout_s=10
     )
 
     assert fake.last()["last_chat"]["messages"] == [
@@ -247,7 +257,7 @@ async def test_a_conversation_with_tool_calls_and_results_goes_in_ollamas_shape(
 
 async def test_thinking_is_kept_apart(ollama_backend: OllamaBackend) -> None:
     result = await ollama_backend.generate(
-        THINKER, "what is 2+2", options=None, timeout_s=10, think=True
+        THINKER, Work(prompt="what is 2+2", think=True), timeout_s=10
     )
 
     assert result.response == "4"
@@ -258,9 +268,40 @@ async def test_ollamas_refusals_are_backend_errors_in_its_words(
     ollama_backend: OllamaBackend,
 ) -> None:
     with pytest.raises(BackendError, match="does not support tools"):
-        await ollama_backend.generate(PLAIN, "hi", options=None, timeout_s=10, tools=[WEATHER])
+        await ollama_backend.generate(PLAIN, Work(prompt="hi", tools=[WEATHER]), timeout_s=10)
     with pytest.raises(BackendError, match="does not support generate"):
-        await ollama_backend.generate(EMBEDDER, "hi", options=None, timeout_s=10)
+        await ollama_backend.generate(EMBEDDER, Work(prompt="hi"), timeout_s=10)
+
+
+@pytest.mark.parametrize("kind", ["ollama", "openai"])
+async def test_the_servers_own_failures_are_told_from_refusals(
+    kind: str, ollama_backend: OllamaBackend, openai_backend: OpenAIBackend, fake: FakeOllama
+) -> None:
+    """A 5xx, an error mid-stream, a stream cut short: the server failed at its own work
+    (another may do it); a reset connection: unreachable; a 4xx: the request's own fault."""
+    backend = ollama_backend if kind == "ollama" else openai_backend
+    plain = Work(prompt="one two three four five six")
+    for status in (500, 503):
+        fake.configure(fail_status=status)
+        with pytest.raises(BackendServerError, match=f"HTTP {status}"):
+            await backend.generate(CHAT, plain, timeout_s=10)
+        with pytest.raises(BackendServerError, match=f"HTTP {status}"):
+            await backend.embed(EMBEDDER, Work(prompt="", input=["hi"]), timeout_s=10)
+    fake.configure(fail_status=400)
+    with pytest.raises(BackendError, match="HTTP 400") as refused:
+        await backend.generate(CHAT, plain, timeout_s=10)
+    assert not isinstance(refused.value, BackendServerError) and not refused.value.retryable
+    fake.configure(fail_status=None, error_after_chunks=2)
+    with pytest.raises(BackendServerError, match="reported an error"):
+        await backend.generate(CHAT, plain, timeout_s=10)
+    fake.configure(error_after_chunks=None, reset_after_chunks=0)
+    with pytest.raises(BackendUnavailable):
+        await backend.generate(CHAT, plain, timeout_s=10)
+    fake.configure(reset_after_chunks=2)
+    with pytest.raises(BackendUnavailable):
+        await backend.generate(CHAT, plain, timeout_s=10)
+    fake.configure(reset_after_chunks=None)
+    assert (await backend.generate(CHAT, plain, timeout_s=10)).response
 
 
 async def test_a_generation_past_its_deadline_is_a_timeout(
@@ -268,16 +309,18 @@ async def test_a_generation_past_its_deadline_is_a_timeout(
 ) -> None:
     fake.configure(delay_s=2.0)
     with pytest.raises(BackendTimeout):
-        await ollama_backend.generate(CHAT, "hi", options=None, timeout_s=0.3)
+        await ollama_backend.generate(CHAT, Work(prompt="hi"), timeout_s=0.3)
 
 
 async def test_a_server_that_is_not_there_is_unavailable() -> None:
     backend = OllamaBackend(f"http://127.0.0.1:{free_port()}")
     try:
         with pytest.raises(BackendUnavailable):
-            await backend.generate(CHAT, "hi", options=None, timeout_s=5)
+            await backend.generate(CHAT, Work(prompt="hi"), timeout_s=5)
         with pytest.raises(BackendUnavailable):
-            await backend.embed(EMBEDDER, ["hi"], timeout_s=5)
+            await backend.embed(
+                EMBEDDER, Work(prompt="", task_type="embedding", input=["hi"]), timeout_s=5
+            )
     finally:
         await backend.aclose()
 
@@ -289,17 +332,15 @@ async def test_every_call_keeps_one_connection(
     model list and embeddings another (aiohttp's): a connection per task costs more than the
     rest of the request."""
     for _ in range(3):
-        assert (await ollama_backend.generate(CHAT, "hi", options=None, timeout_s=10)).response
+        assert (await ollama_backend.generate(CHAT, Work(prompt="hi"), timeout_s=10)).response
     assert fake.stats()["connections"] == 1
     for _ in range(2):
         await ollama_backend.list_models()
-        await ollama_backend.embed(EMBEDDER, ["hi"], timeout_s=10)
+        await ollama_backend.embed(
+            EMBEDDER, Work(prompt="", task_type="embedding", input=["hi"]), timeout_s=10
+        )
         await ollama_backend.generate(
-            CHAT,
-            "hi",
-            options=None,
-            timeout_s=10,
-            messages=[ChatMessage(role="user", content="hi")],
+            CHAT, Work(prompt="hi", messages=[ChatMessage(role="user", content="hi")]), timeout_s=10
         )
     assert fake.stats()["connections"] == 2
 
@@ -317,7 +358,7 @@ async def test_a_generation_given_up_midway_closes_its_connection(
 
     call = asyncio.create_task(
         ollama_backend.generate(
-            CHAT, "tell me a long story", options=None, timeout_s=30, on_chunk=seen
+            CHAT, Work(prompt="tell me a long story"), timeout_s=30, on_chunk=seen
         )
     )
     await asyncio.wait_for(first_piece.wait(), 10)
@@ -330,7 +371,7 @@ async def test_a_generation_given_up_midway_closes_its_connection(
         await asyncio.sleep(0.05)
     assert fake.stats()["cancelled"] == 1
     fake.configure(chunk_delay_s=0.0)
-    assert (await ollama_backend.generate(CHAT, "hi", options=None, timeout_s=10)).response
+    assert (await ollama_backend.generate(CHAT, Work(prompt="hi"), timeout_s=10)).response
     assert fake.stats()["connections"] == 2
 
 
@@ -345,8 +386,8 @@ async def test_a_proxy_in_the_environment_is_taken_unless_no_proxy_says_otherwis
     direct = OllamaBackend(fake.url)
     try:
         with pytest.raises(BackendUnavailable):
-            await proxied.generate(CHAT, "hi", options=None, timeout_s=5)
-        assert (await direct.generate(CHAT, "hi", options=None, timeout_s=5)).response
+            await proxied.generate(CHAT, Work(prompt="hi"), timeout_s=5)
+        assert (await direct.generate(CHAT, Work(prompt="hi"), timeout_s=5)).response
     finally:
         await proxied.aclose()
         await direct.aclose()
@@ -384,7 +425,7 @@ async def test_a_kept_connection_closed_without_an_answer_is_replaced() -> None:
     backend = OllamaBackend(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
     try:
         for _ in range(2):
-            result = await backend.generate(CHAT, "hi", options=None, timeout_s=10)
+            result = await backend.generate(CHAT, Work(prompt="hi"), timeout_s=10)
             assert result.response == "ok" and result.done_reason == "stop"
         assert connections == 2
     finally:
@@ -400,12 +441,16 @@ async def test_embed_sends_every_input_at_once_and_packs_unit_vectors(
 ) -> None:
     result = await ollama_backend.embed(
         EMBEDDER,
-        ["the cat sat", "stock prices fell"],
+        Work(
+            prompt="",
+            task_type="embedding",
+            input=["the cat sat", "stock prices fell"],
+            truncate=True,
+            dimensions=256,
+            keep_alive=0,
+            options={"num_ctx": 256},
+        ),
         timeout_s=10,
-        truncate=True,
-        dimensions=256,
-        keep_alive=0,
-        options={"num_ctx": 256},
     )
 
     assert fake.last()["last_embed"] == {
@@ -429,9 +474,21 @@ async def test_embed_without_normalizing_uses_the_older_api_once_per_input(
     ollama_backend: OllamaBackend, fake: FakeOllama
 ) -> None:
     own = await ollama_backend.embed(
-        EMBEDDER, ["the cat sat", "dogs bark"], timeout_s=10, normalize=False, keep_alive="1m"
+        EMBEDDER,
+        Work(
+            prompt="",
+            task_type="embedding",
+            input=["the cat sat", "dogs bark"],
+            normalize=False,
+            keep_alive="1m",
+        ),
+        timeout_s=10,
     )
-    unit = await ollama_backend.embed(EMBEDDER, ["the cat sat", "dogs bark"], timeout_s=10)
+    unit = await ollama_backend.embed(
+        EMBEDDER,
+        Work(prompt="", task_type="embedding", input=["the cat sat", "dogs bark"]),
+        timeout_s=10,
+    )
 
     assert fake.stats()["embed_calls"] == 3
     vectors = [unpack(v) for v in own.vectors]
@@ -450,14 +507,24 @@ async def test_embedding_refusals_carry_ollamas_message(
 ) -> None:
     long_text = " ".join(["word"] * 600)  # past the embedding model's 512-token context
     with pytest.raises(BackendError, match="input exceeds maximum context length"):
-        await ollama_backend.embed(EMBEDDER, [long_text], timeout_s=10, truncate=False)
-    cut = await ollama_backend.embed(EMBEDDER, [long_text], timeout_s=10)
+        await ollama_backend.embed(
+            EMBEDDER,
+            Work(prompt="", task_type="embedding", input=[long_text], truncate=False),
+            timeout_s=10,
+        )
+    cut = await ollama_backend.embed(
+        EMBEDDER, Work(prompt="", task_type="embedding", input=[long_text]), timeout_s=10
+    )
     assert cut.tokens.prompt == 512  # Ollama's default: truncate
     with pytest.raises(BackendError, match="not found"):
-        await ollama_backend.embed("missing:latest", ["hi"], timeout_s=10)
+        await ollama_backend.embed(
+            "missing:latest", Work(prompt="", task_type="embedding", input=["hi"]), timeout_s=10
+        )
     fake.configure(delay_s=2.0)
     with pytest.raises(BackendTimeout):
-        await ollama_backend.embed(EMBEDDER, ["hi"], timeout_s=0.3)
+        await ollama_backend.embed(
+            EMBEDDER, Work(prompt="", task_type="embedding", input=["hi"]), timeout_s=0.3
+        )
 
 
 # -- Ollama: model facts -----------------------------------------------------------------------
@@ -511,12 +578,14 @@ async def test_openai_requests_carry_the_conversation_in_openais_shape(
     ]
     await openai_backend.generate(
         VISION,
-        "",
-        options={"num_predict": 8, "top_k": 3, "repeat_penalty": 1.1, "num_ctx": 99},
+        Work(
+            prompt="",
+            options={"num_predict": 8, "top_k": 3, "repeat_penalty": 1.1, "num_ctx": 99},
+            messages=messages,
+            format=PERSON,
+            keep_alive="5m",
+        ),
         timeout_s=10,
-        messages=messages,
-        format=PERSON,
-        keep_alive="5m",
     )
 
     sent = fake.last()["last_openai"]
@@ -569,7 +638,7 @@ async def test_openai_gif_images_are_labelled_so_and_ollama_refuses_them(
 ) -> None:
     """Ollama's ``/v1`` takes JPEG, PNG and WebP data URLs only (llama.cpp decodes GIF)."""
     with pytest.raises(BackendError, match="invalid image input"):
-        await openai_backend.generate(VISION, "look", options=None, timeout_s=10, images=[GIF])
+        await openai_backend.generate(VISION, Work(prompt="look", images=[GIF]), timeout_s=10)
 
     [_, image] = fake.last()["last_openai"]["messages"][0]["content"]
     assert image["image_url"]["url"] == f"data:image/gif;base64,{GIF}"
@@ -581,10 +650,12 @@ async def test_openai_tool_calls_are_put_together_and_reported_once(
     pieces = Pieces()
     result = await openai_backend.generate(
         CHAT,
-        'get_weather and get_time for "Paris"',
-        options={"temperature": 0},
+        Work(
+            prompt='get_weather and get_time for "Paris"',
+            options={"temperature": 0},
+            tools=[WEATHER, TIME],
+        ),
         timeout_s=10,
-        tools=[WEATHER, TIME],
         on_chunk=pieces,
     )
 
@@ -603,7 +674,7 @@ async def test_openai_json_format_and_a_plain_answer(
     openai_backend: OpenAIBackend, fake: FakeOllama
 ) -> None:
     result: Generation = await openai_backend.generate(
-        CHAT, "what is 1+1", options=None, timeout_s=10, format="json"
+        CHAT, Work(prompt="what is 1+1", format="json"), timeout_s=10
     )
 
     assert fake.last()["last_openai"]["response_format"] == {"type": "json_object"}
@@ -614,19 +685,33 @@ async def test_openai_json_format_and_a_plain_answer(
 
 async def test_openai_suffix_is_refused(openai_backend: OpenAIBackend) -> None:
     with pytest.raises(BackendError, match="suffix"):
-        await openai_backend.generate(CODER, "a", options=None, timeout_s=10, suffix="b")
+        await openai_backend.generate(CODER, Work(prompt="a", suffix="b"), timeout_s=10)
 
 
 async def test_openai_embeddings_in_input_order(
     openai_backend: OpenAIBackend, fake: FakeOllama
 ) -> None:
     result = await openai_backend.embed(
-        EMBEDDER, ["the cat sat", "stock prices fell"], timeout_s=10, dimensions=128
+        EMBEDDER,
+        Work(
+            prompt="",
+            task_type="embedding",
+            input=["the cat sat", "stock prices fell"],
+            dimensions=128,
+        ),
+        timeout_s=10,
     )
     native = OllamaBackend(fake.url)
     try:
         same = await native.embed(
-            EMBEDDER, ["the cat sat", "stock prices fell"], timeout_s=10, dimensions=128
+            EMBEDDER,
+            Work(
+                prompt="",
+                task_type="embedding",
+                input=["the cat sat", "stock prices fell"],
+                dimensions=128,
+            ),
+            timeout_s=10,
         )
     finally:
         await native.aclose()
@@ -637,7 +722,9 @@ async def test_openai_embeddings_in_input_order(
     assert result.vectors == same.vectors
     assert result.tokens.prompt == 6
     with pytest.raises(BackendError, match="not found"):
-        await openai_backend.embed("missing", ["hi"], timeout_s=10)
+        await openai_backend.embed(
+            "missing", Work(prompt="", task_type="embedding", input=["hi"]), timeout_s=10
+        )
 
 
 async def test_openai_model_facts_without_props_say_completion(

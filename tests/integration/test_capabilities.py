@@ -282,7 +282,7 @@ async def test_an_embedding_task_runs_on_a_worker_that_serves_the_model(
     done = await js.get_last_msg(EVENTS_STREAM, f"events.task.{reply.task_id}.*.completed")
     assert msgspec.json.decode(done.data or b"")["embeddings"] == body["embeddings"]
     submitted = await js.get_last_msg(EVENTS_STREAM, f"events.task.{reply.task_id}.submitted")
-    assert msgspec.json.decode(submitted.data or b"")["domain"] == "embedding"
+    assert msgspec.json.decode(submitted.data or b"")["work"]["domain"] == "embedding"
     assert (await js.stream_info(TASKS_STREAM)).state.messages == 0
 
 

@@ -103,7 +103,7 @@ async def test_metrics_are_projections_of_real_tasks(
                     headers=bearer(key),
                 )
                 assert done.status_code == 200, done.text
-            fake.fail_status = 500
+            fake.fail_status = 400  # refused: a failure no other worker is asked to repeat
             failed = await http.post(
                 "/api/generate",
                 json={"model": PLAIN, "prompt": "3+3", "stream": False},
@@ -240,7 +240,7 @@ async def history(fleet: Fleet, http: httpx.AsyncClient) -> None:
         reply = await http.post("/route", json={**body, "wait": True}, headers=bearer(fleet.key))
         assert reply.json()["status"] == "done", reply.text
     fleet.fake_a.delay_s = fleet.fake_b.delay_s = 0.0
-    fleet.fake_a.fail_status = 500
+    fleet.fake_a.fail_status = 400  # refused: a failure no other worker is asked to repeat
     body = {"prompt": "fail", "model": PLAIN, "worker": "cpu-1", "wait": True}
     reply = await http.post("/route", json=body, headers=bearer(fleet.key))
     assert reply.json()["failure"]["code"] == "backend_error"

@@ -21,6 +21,7 @@ from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.events import Durations, TaskCompleted, TaskRouted, TaskStarted, TaskSubmitted
 from schemas.route import RouteReply
+from schemas.work import Work
 from services.runtime import outcomes
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.request import new_task_id, stream_call
@@ -230,7 +231,12 @@ async def test_a_task_a_lagging_copy_of_the_log_misses_is_followed_not_refused(
     await ensure_streams(js, worker_ttl_s=3.0)
     task_id, now = new_task_id(), time.time()
     for event, by in (
-        (TaskSubmitted(at=now, task_id=task_id, model=MODEL, prompt="1+1", timeout_s=60), None),
+        (
+            TaskSubmitted(
+                at=now, task_id=task_id, model=MODEL, timeout_s=60, work=Work(prompt="1+1")
+            ),
+            None,
+        ),
         (
             TaskRouted(at=now, task_id=task_id, attempt=1, worker="cpu-1", queue="tasks.cpu.cpu-1"),
             None,

@@ -299,8 +299,9 @@ async def test_embedding_tasks_are_never_judged(
     nats_server: NatsServer, pg_dsn: str, judge_host: FakeOllama
 ) -> None:
     vectors = done_task("t-vectors", "")
-    asked = msgspec.structs.replace(vectors[0], task_type="embedding", input=["a"])
-    assert isinstance(asked, TaskSubmitted)
+    assert isinstance(vectors[0], TaskSubmitted)
+    work = msgspec.structs.replace(vectors[0].work, task_type="embedding", input=["a"])
+    asked = msgspec.structs.replace(vectors[0], work=work)
     tasks = [[asked, *vectors[1:]], done_task("t-text", "answer-good", at=T0 + 1)]
     async with projected(nats_server, pg_dsn, tasks) as (_, js, store):
         report, _ = await run_judge(js, store, judge_settings(nats_server, pg_dsn, judge_host.url))

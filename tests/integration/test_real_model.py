@@ -25,6 +25,7 @@ from nats.aio.client import Client
 from devtools.servers import NatsServer, free_port
 from schemas.route import ChatMessage, RouteReply, ToolCall
 from schemas.vectors import unpack
+from schemas.work import Work
 from services.backends.openai import OpenAIBackend
 from services.runtime.errors import BackendError
 from services.runtime.request import stream_call
@@ -314,10 +315,12 @@ async def test_a_json_schema_format_gives_json_that_follows_it(llama_server: str
     try:
         result = await backend.generate(
             MODEL,
-            "Describe a person as JSON.",
-            options={"num_predict": 96, "temperature": 0},
+            Work(
+                prompt="Describe a person as JSON.",
+                options={"num_predict": 96, "temperature": 0},
+                format=PERSON_SCHEMA,
+            ),
             timeout_s=60,
-            format=PERSON_SCHEMA,
         )
     finally:
         await backend.aclose()
@@ -333,10 +336,12 @@ async def test_the_json_format_gives_a_json_object(llama_server: str) -> None:
     try:
         result = await backend.generate(
             MODEL,
-            "Describe a city as JSON with a name and a country.",
-            options={"num_predict": 48, "temperature": 0},
+            Work(
+                prompt="Describe a city as JSON with a name and a country.",
+                options={"num_predict": 48, "temperature": 0},
+                format="json",
+            ),
             timeout_s=60,
-            format="json",
         )
     finally:
         await backend.aclose()
@@ -353,10 +358,12 @@ async def test_smollm2s_own_template_answers_tools_in_text(llama_server: str) ->
     try:
         result = await backend.generate(
             MODEL,
-            "What is the weather in Paris? Use the tool.",
-            options={"num_predict": 24, "temperature": 0},
+            Work(
+                prompt="What is the weather in Paris? Use the tool.",
+                options={"num_predict": 24, "temperature": 0},
+                tools=[WEATHER_TOOL],
+            ),
             timeout_s=60,
-            tools=[WEATHER_TOOL],
         )
         facts = await backend.model_facts([MODEL])
     finally:
@@ -391,7 +398,9 @@ async def test_a_server_started_without_embeddings_refuses_them(llama_server: st
     backend = OpenAIBackend(llama_server)
     try:
         with pytest.raises(BackendError, match="--embeddings"):
-            await backend.embed(MODEL, ["hello"], timeout_s=30)
+            await backend.embed(
+                MODEL, Work(prompt="", task_type="embedding", input=["hello"]), timeout_s=30
+            )
     finally:
         await backend.aclose()
 
@@ -401,9 +410,21 @@ async def test_an_embeddings_server_gives_unit_vectors_in_input_order(
 ) -> None:
     backend = OpenAIBackend(llama_tools_server)
     try:
-        forward = await backend.embed(MODEL, ["the cat sat", "stock prices fell"], timeout_s=30)
-        backward = await backend.embed(MODEL, ["stock prices fell", "the cat sat"], timeout_s=30)
-        own = await backend.embed(MODEL, ["the cat sat"], timeout_s=30, normalize=False)
+        forward = await backend.embed(
+            MODEL,
+            Work(prompt="", task_type="embedding", input=["the cat sat", "stock prices fell"]),
+            timeout_s=30,
+        )
+        backward = await backend.embed(
+            MODEL,
+            Work(prompt="", task_type="embedding", input=["stock prices fell", "the cat sat"]),
+            timeout_s=30,
+        )
+        own = await backend.embed(
+            MODEL,
+            Work(prompt="", task_type="embedding", input=["the cat sat"], normalize=False),
+            timeout_s=30,
+        )
     finally:
         await backend.aclose()
 
@@ -446,16 +467,18 @@ async def test_a_streamed_tool_call_comes_back_whole(llama_tools_server: str) ->
     try:
         called = await backend.generate(
             MODEL,
-            "",
-            options={
-                "num_predict": 48,
-                "temperature": 0,
-                "stop": ["</tool_call>"],
-                "tool_choice": "required",
-            },
+            Work(
+                prompt="",
+                options={
+                    "num_predict": 48,
+                    "temperature": 0,
+                    "stop": ["</tool_call>"],
+                    "tool_choice": "required",
+                },
+                messages=[question, ChatMessage(role="assistant", content="<tool_call>\n")],
+                tools=[WEATHER_TOOL],
+            ),
             timeout_s=60,
-            messages=[question, ChatMessage(role="assistant", content="<tool_call>\n")],
-            tools=[WEATHER_TOOL],
             on_chunk=on_chunk,
         )
         assert called.tool_calls is not None
@@ -463,18 +486,20 @@ async def test_a_streamed_tool_call_comes_back_whole(llama_tools_server: str) ->
         # assistant's call, then the tool's answer named by the tool, with no call id.
         answered = await backend.generate(
             MODEL,
-            "",
-            options={"num_predict": 16, "temperature": 0},
+            Work(
+                prompt="",
+                options={"num_predict": 16, "temperature": 0},
+                messages=[
+                    question,
+                    ChatMessage(
+                        role="assistant",
+                        tool_calls=[ToolCall(name="get_weather", arguments={"city": "Paris"})],
+                    ),
+                    ChatMessage(role="tool", tool_name="get_weather", content="sunny, 21 C"),
+                ],
+                tools=[WEATHER_TOOL],
+            ),
             timeout_s=60,
-            messages=[
-                question,
-                ChatMessage(
-                    role="assistant",
-                    tool_calls=[ToolCall(name="get_weather", arguments={"city": "Paris"})],
-                ),
-                ChatMessage(role="tool", tool_name="get_weather", content="sunny, 21 C"),
-            ],
-            tools=[WEATHER_TOOL],
         )
     finally:
         await backend.aclose()

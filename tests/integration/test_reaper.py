@@ -31,6 +31,7 @@ from schemas.events import (
 )
 from schemas.models import ModelFacts
 from schemas.tasks import TaskMessage
+from schemas.work import Work
 from schemas.workers import WorkerRecord
 from services.backends import Embedding, Generation
 from services.reaper.actions import Actions
@@ -168,11 +169,11 @@ class WedgedBackend:
     async def list_models(self) -> list[str]:
         return [MODEL]
 
-    async def generate(self, model: str, prompt: str, **_: Any) -> Generation:
+    async def generate(self, model: str, work: Work, **_: Any) -> Generation:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    async def embed(self, model: str, inputs: list[str], **_: Any) -> Embedding:
+    async def embed(self, model: str, work: Work, **_: Any) -> Embedding:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
@@ -486,10 +487,10 @@ async def test_a_worker_drops_a_copy_of_an_attempt_that_was_moved_on_and_stops_i
                 task_id="t-1",
                 attempt=attempt,
                 model=MODEL,
-                prompt="1+1",
                 timeout_s=10,
                 submitted_at=now,
                 routed_seq=routed_seq[attempt] if carries_routed_seq else None,
+                work=Work(prompt="1+1"),
             )
             await js.publish("tasks.cpu.cpu-a", msgspec.json.encode(message))
         done = await events.first("completed")
@@ -530,10 +531,10 @@ async def test_a_copy_whose_routed_seq_is_off_but_whose_attempt_is_current_runs(
             task_id="t-2",
             attempt=1,
             model=MODEL,
-            prompt="1+1",
             timeout_s=10,
             submitted_at=now,
             routed_seq=ack.seq + 1000,
+            work=Work(prompt="1+1"),
         )
         await js.publish("tasks.cpu.cpu-a", msgspec.json.encode(message))
         done = await events.first("completed")
@@ -603,7 +604,7 @@ async def test_the_stats_read_model_keeps_the_current_attempts_answer_over_a_lat
     runner.stats(nats_server.url, pg_dsn)
     now = time.time()
     events: list[Any] = [
-        TaskSubmitted(at=now, task_id="t-1", model=MODEL, prompt="1+1", timeout_s=60),
+        TaskSubmitted(at=now, task_id="t-1", model=MODEL, timeout_s=60, work=Work(prompt="1+1")),
         TaskRouted(at=now, task_id="t-1", attempt=1, worker="cpu-a", queue="tasks.cpu.cpu-a"),
         TaskStarted(at=now, task_id="t-1", attempt=1, worker="cpu-a", host="a"),
         TaskRouted(at=now + 1, task_id="t-1", attempt=2, worker="cpu-b", queue="tasks.cpu.cpu-b"),
@@ -704,7 +705,12 @@ async def test_a_move_that_races_the_tasks_completion_queues_nothing(
     now = time.time()
     task_id = "t-raced"
     events: list[tuple[TaskEvent, str | None]] = [
-        (TaskSubmitted(at=now, task_id=task_id, model=MODEL, prompt="1+1", timeout_s=60), None),
+        (
+            TaskSubmitted(
+                at=now, task_id=task_id, model=MODEL, timeout_s=60, work=Work(prompt="1+1")
+            ),
+            None,
+        ),
         (
             TaskRouted(at=now, task_id=task_id, attempt=1, worker="cpu-a", queue="tasks.cpu.cpu-a"),
             None,
@@ -802,10 +808,10 @@ async def queue_fenced(js: JetStreamContext, task_id: str, now: float, routed_se
         task_id=task_id,
         attempt=1,
         model=MODEL,
-        prompt="1+1",
         timeout_s=10,
         submitted_at=now,
         routed_seq=routed_seq,
+        work=Work(prompt="1+1"),
     )
     await js.publish("tasks.cpu.cpu-a", msgspec.json.encode(message))
 

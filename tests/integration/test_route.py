@@ -129,9 +129,9 @@ async def test_backend_answering_500_ends_the_task_failed_with_the_reason(
     body, _ = await ask(nc)
 
     assert body["status"] == "failed"
-    assert body["failure"]["code"] == "backend_error"
+    assert body["failure"]["code"] == "backend_server_error"
     assert "500" in body["failure"]["message"]
-    assert body["error"] == f"backend_error: {body['failure']['message']}"
+    assert body["error"] == f"backend_server_error: {body['failure']['message']}"
 
 
 async def test_backend_timing_out_ends_the_task_failed_with_the_reason(

@@ -33,6 +33,7 @@ from schemas.events import (
 )
 from schemas.queries import TaskView
 from schemas.subjects import EVENTS_STREAM, STATS_CONSUMER, TASK
+from schemas.work import Work
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.errors import Unavailable
 from services.runtime.settings import StatsSettings
@@ -87,9 +88,8 @@ def life_of(
             at=T0,
             task_id=task_id,
             model="qwen2.5:7b",
-            prompt="what is 2 + 2?",
-            domain=domain,
             timeout_s=60.0,
+            work=Work(prompt="what is 2 + 2?", domain=domain),
         ),
         TaskRouted(
             at=T0 + 0.25, task_id=task_id, attempt=1, worker=worker, queue=f"tasks.gpu.{worker}"

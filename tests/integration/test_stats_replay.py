@@ -34,6 +34,7 @@ from schemas.events import (
 )
 from schemas.stats import RoutingFigure, StatsReply
 from schemas.subjects import EVENTS_STREAM, STATS_BUCKET
+from schemas.work import Work
 from services.runtime.bus import publish_event
 from services.stats.figures import kv_key
 from services.stats.rebuild import REBUILD_LOCK
@@ -84,7 +85,11 @@ def task(
     )
     return [
         TaskSubmitted(
-            at=at, task_id=task_id, model=model, prompt="write a sort", domain=domain, timeout_s=60
+            at=at,
+            task_id=task_id,
+            model=model,
+            timeout_s=60,
+            work=Work(prompt="write a sort", domain=domain),
         ),
         TaskRouted(at=at, task_id=task_id, attempt=1, worker=worker, queue=f"tasks.cpu.{worker}"),
         TaskStarted(at=at, task_id=task_id, attempt=1, worker=worker, host=f"{worker}.lan"),

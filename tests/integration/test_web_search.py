@@ -32,6 +32,7 @@ from schemas.events import (
 )
 from schemas.subjects import TASKS_STREAM
 from schemas.tasks import TaskMessage
+from schemas.work import Work
 from services import __version__
 from services.runtime.bus import publish_event
 from services.runtime.errors import DuplicateWorker
@@ -192,7 +193,9 @@ async def test_the_summary_can_come_from_an_openai_compatible_server(web: Stack)
 @pytest.mark.parametrize(
     ("setup", "fields", "says"),
     [
-        pytest.param({"fail_status": 500}, {}, ["backend_error", "500"], id="backend answers 500"),
+        pytest.param(
+            {"fail_status": 500}, {}, ["backend_server_error", "500"], id="backend answers 500"
+        ),
         pytest.param(
             {"delay_s": 3.0, "summary_timeout_s": 0.5}, {}, ["backend_timeout", "0.5 s"],
             id="backend too slow",
@@ -354,9 +357,11 @@ async def test_web_workers_share_the_queue_one_task_each_at_a_time_never_the_sam
     starts = []
     while True:
         try:
-            starts.append(task_event_decoder.decode((await started_sub.next_msg(timeout=0.5)).data))
+            start = task_event_decoder.decode((await started_sub.next_msg(timeout=0.5)).data)
         except TimeoutError:
             break
+        assert isinstance(start, TaskStarted)
+        starts.append(start)
 
     assert sorted(e.task_id for e in ended) == sorted(task_ids)
     assert sorted(s.task_id for s in starts) == sorted(task_ids)  # each started exactly once
@@ -428,7 +433,8 @@ async def test_a_dead_web_workers_task_fails_naming_it_and_is_not_run_again(
     started = await web.nc.subscribe("events.task.*.*.started")
     body = {"prompt": QUESTION, "model": "default", "task_type": "web_search"}
     reply, _ = await request(web.nc, "coordinator.route", body)
-    assert task_event_decoder.decode((await started.next_msg(timeout=10)).data).worker == "web-a"
+    start = task_event_decoder.decode((await started.next_msg(timeout=10)).data)
+    assert isinstance(start, TaskStarted) and start.worker == "web-a"
 
     async def summarising() -> bool:
         return bool(web.ollama.stats()["in_flight"])
@@ -515,11 +521,10 @@ async def test_a_web_worker_drops_a_copy_of_an_attempt_that_was_moved_on(web: St
                 task_id="t-web",
                 attempt=attempt,
                 model="default",
-                prompt=QUESTION,
                 timeout_s=10,
                 submitted_at=now,
-                task_type="web_search",
                 routed_seq=routed_seq[attempt],
+                work=Work(prompt=QUESTION, task_type="web_search"),
             )
             await js.publish("tasks.web", msgspec.json.encode(message))
         done = await events.first("completed")
@@ -571,7 +576,7 @@ async def test_coordinator_ask_type_web_search_prints_the_answer_and_its_sources
     assert fallback.returncode == 0
     assert fallback.stdout.startswith(f"1. {QUESTION} - result 1\n")
     assert "Sources:" not in fallback.stdout  # the answer already is the list
-    assert "note: the summary failed (backend_error" in fallback.stderr
+    assert "note: the summary failed (backend_server_error" in fallback.stderr
 
     web.searxng.fail_status = 503
     failed = await ask()

@@ -17,8 +17,15 @@ from services.fleet.policy import Estimates, choose
 from services.reaper.decisions import Fail, Move, decide
 from services.reaper.detectors import Snapshot, Thresholds, detect
 from services.reaper.view import TaskTrack
-from services.runtime.errors import BackendError, BackendTimeout, NoWorker, WorkerUnavailable
-from services.worker.probe import BackendProbe, failure_of, watched
+from services.runtime.errors import (
+    BackendError,
+    BackendServerError,
+    BackendTimeout,
+    BackendUnavailable,
+    NoWorker,
+    WorkerUnavailable,
+)
+from services.worker.probe import BackendProbe, failure_of, runs_elsewhere, watched
 
 NOW = 1_000.0
 POLICY = HealthPolicy(interval_s=30.0, idle_probe_s=600.0)
@@ -109,10 +116,24 @@ def test_which_task_failures_degrade() -> None:
     assert failure_of(BackendTimeout("no first token", stalled=True)).degrades
     assert not failure_of(BackendTimeout("did not finish m within 300 s")).degrades
     assert not failure_of(BackendError("Ollama answered HTTP 400: bad format")).degrades
-    from services.runtime.errors import BackendUnavailable
-
     unreachable = failure_of(BackendUnavailable("refused"))
     assert unreachable.degrades and unreachable.reason == "backend_unavailable: refused"
+    failing = failure_of(BackendServerError("Ollama answered HTTP 500: runner terminated"))
+    assert failing.degrades and failing.reason.startswith("backend_server_error: ")
+
+
+def test_which_task_failures_another_worker_runs_again() -> None:
+    """The backend's own failures are retried elsewhere, unless output already reached the
+    client; a refusal of the request is not (no worker would do better)."""
+    for own in (
+        BackendServerError("Ollama answered HTTP 500: llama runner process has terminated"),
+        BackendUnavailable("Ollama at http://h:11434 cannot be reached: connection reset"),
+        BackendTimeout("no first token within 30 s", stalled=True),
+    ):
+        assert runs_elsewhere(own, streamed=False), own
+        assert not runs_elsewhere(own, streamed=True), own
+    refusal = BackendError("Ollama answered HTTP 400: input exceeds maximum context length")
+    assert not runs_elsewhere(refusal, streamed=False)
 
 
 # -- what the backend holds in memory

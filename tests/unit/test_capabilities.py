@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from schemas.events import TaskSubmitted
@@ -16,7 +15,7 @@ from schemas.models import (
     resolve_name,
 )
 from schemas.route import ChatMessage, RouteRequest
-from schemas.tasks import WORK_FIELDS, TaskMessage, needs_of, work_of
+from schemas.tasks import needs_of
 from schemas.workers import Capability, WorkerRecord
 from services.fleet.policy import Estimates, choose, choose_sleeper
 from services.runtime.errors import UnsupportedCapability, WorkerUnavailable
@@ -101,21 +100,8 @@ def test_needs_are_read_from_requests_and_their_events_alike() -> None:
     picture = ChatMessage(role="user", content="what is this?", images=["aGk="])
     request = RouteRequest(prompt="p", model="m", messages=[picture], tools=[{"function": {}}])
     assert needs_of(request) == ("completion", "tools", "vision")
-    submitted = TaskSubmitted(at=0, task_id="t", model="m", timeout_s=1, **work_of(request))
-    assert needs_of(submitted) == needs_of(request)
-
-
-def test_every_work_field_travels_from_request_to_event_to_task() -> None:
-    """One list (`WORK_FIELDS`) is copied by the router and the reaper: each name must exist,
-    with the same default, on all three types."""
-    for kind in (RouteRequest, TaskSubmitted, TaskMessage):
-        fields = {f.name: f for f in msgspec.structs.fields(kind)}
-        assert set(WORK_FIELDS) <= set(fields), kind
-    defaults = {
-        kind: {f.name: f.default for f in msgspec.structs.fields(kind) if f.name in WORK_FIELDS}
-        for kind in (TaskSubmitted, TaskMessage)
-    }
-    assert defaults[TaskSubmitted] == defaults[TaskMessage]
+    submitted = TaskSubmitted(at=0, task_id="t", model="m", timeout_s=1, work=request.work)
+    assert needs_of(submitted.work) == needs_of(request)
 
 
 def test_refusals_use_ollamas_words() -> None:

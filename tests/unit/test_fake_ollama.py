@@ -260,6 +260,38 @@ def test_mid_stream_error_and_dropped_connection(fake: FakeOllama, client: httpx
         list(r.iter_lines())
 
 
+def test_a_reset_connection_before_any_answer_and_mid_stream(
+    fake: FakeOllama, client: httpx.Client
+) -> None:
+    """A reset, not a close: the client reads ``ECONNRESET``, not the end of the stream."""
+    prompt = "one two three four five six"
+    fake.reset_after_chunks = 0
+    for path, body in (
+        ("/api/generate", {"model": "gemma3:1b", "prompt": prompt}),
+        ("/api/chat", {"model": "gemma3:1b", "messages": [{"role": "user", "content": "x"}]}),
+        ("/api/embed", {"model": "gemma3:1b", "input": "x"}),
+        (
+            "/v1/chat/completions",
+            {"model": "gemma3:1b", "messages": [{"role": "user", "content": "x"}]},
+        ),
+    ):
+        with pytest.raises(httpx.ReadError, match="reset"):
+            client.post(path, json=body)
+    fake.reset_after_chunks = 2
+    seen: list[str] = []
+    with (
+        pytest.raises(httpx.ReadError, match="reset"),
+        client.stream("POST", "/api/generate", json={"model": "gemma3:1b", "prompt": prompt}) as r,
+    ):
+        seen.extend(r.iter_lines())
+    assert len(seen) <= 2 and not any('"done":true' in line for line in seen)
+    fake.reset_after_chunks = None
+    answer = client.post(
+        "/api/generate", json={"model": "gemma3:1b", "prompt": "1+1", "stream": False}
+    )
+    assert answer.json()["response"] == "2"  # the server itself is fine
+
+
 async def test_concurrent_max_counts_overlapping_requests(fake: FakeOllama) -> None:
     async with httpx.AsyncClient(base_url=fake.url, timeout=10) as http:
         assert (await http.post("/_fake/config", json={"delay_s": 0.3})).status_code == 200

@@ -26,6 +26,7 @@ from schemas.events import (
 )
 from schemas.queries import WorkerView
 from schemas.stats import Baseline
+from schemas.work import Work
 from schemas.workers import WorkerRecord
 from services.gateway.bench_history import BenchHistory
 from services.gateway.board import Ended, ReaperAction, Submitted, TaskBoard, percentile
@@ -51,7 +52,9 @@ def fold(b: TaskBoard, *events: AnyEvent, by: str | None = None) -> list[object]
 
 
 def submitted(task: str = "t1", model: str = "m", at: float = 1.0) -> TaskSubmitted:
-    return TaskSubmitted(at=at, task_id=task, model=model, prompt="secret prompt", timeout_s=60)
+    return TaskSubmitted(
+        at=at, task_id=task, model=model, timeout_s=60, work=Work(prompt="secret prompt")
+    )
 
 
 def routed(

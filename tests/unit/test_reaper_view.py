@@ -14,6 +14,7 @@ from schemas.events import (
     TaskStarted,
     TaskSubmitted,
 )
+from schemas.work import Work
 from services.reaper.view import (
     ConsumerHistory,
     ConsumerSample,
@@ -31,9 +32,8 @@ def submitted(at: float = 0.0, task_type: str = "inference") -> TaskSubmitted:
         at=at,
         task_id=T,
         model="m",
-        prompt="p",
+        work=Work(prompt="p", task_type=task_type),  # type: ignore[arg-type]
         timeout_s=60,
-        task_type=task_type,  # type: ignore[arg-type]
     )
 
 

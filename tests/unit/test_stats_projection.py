@@ -16,6 +16,7 @@ from schemas.events import (
     TaskSubmitted,
     Tokens,
 )
+from schemas.work import Work
 from services.stats.projection import Outcome, TaskState, evolve, outcome_of, to_view
 
 TASK = "t1"
@@ -26,8 +27,7 @@ def submitted(at: float = 100.0, domain: str | None = "code") -> TaskSubmitted:
         at=at,
         task_id=TASK,
         model="qwen2.5:7b",
-        prompt="hello",
-        domain=domain,
+        work=Work(prompt="hello", domain=domain),
         timeout_s=60.0,
     )
 
@@ -353,9 +353,8 @@ def test_a_cancelled_task_fails_but_counts_in_no_figure() -> None:
 def test_an_embedding_task_has_figures_of_its_own_domain() -> None:
     """The router names an embedding task's domain ``embedding``: its outcome is keyed apart
     from every generation's, and its vectors stay in the event log, not in the task row."""
-    asked = msgspec.structs.replace(
-        submitted(domain="embedding"), task_type="embedding", input=["a", "b"], prompt="a\nb"
-    )
+    work = Work(prompt="a\nb", domain="embedding", task_type="embedding", input=["a", "b"])
+    asked = msgspec.structs.replace(submitted(), work=work)
     before = replay(asked, routed(), started())
     vectors = msgspec.structs.replace(
         completed(),

@@ -11,6 +11,7 @@ from devtools.fakes.searxng import results_for
 from schemas.events import TaskStarted
 from schemas.route import DEFAULT_MODEL, Source
 from schemas.tasks import TaskMessage, is_retryable
+from schemas.work import Work
 from schemas.workers import WorkerRecord
 from services.cli.main import main
 from services.fleet.takeover import MIN_RECHECK_S, Lost, Run, Wait, on_redelivery
@@ -272,10 +273,8 @@ def test_a_task_whose_starter_is_gone_is_lost_naming_worker_and_host(
 def test_web_search_tasks_are_not_retryable() -> None:
     assert not is_retryable("web_search")
     assert is_retryable("inference")
-    message = TaskMessage(
-        task_id="t", attempt=1, model="m", prompt="p", task_type="web_search",
-        timeout_s=1, submitted_at=0,
-    )  # fmt: skip
+    work = Work(prompt="p", task_type="web_search")
+    message = TaskMessage(task_id="t", attempt=1, model="m", timeout_s=1, submitted_at=0, work=work)
     assert not message.retryable
 
 
