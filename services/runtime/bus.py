@@ -89,7 +89,9 @@ async def connect(
     stop event `install_stop_signals` installed: a service, ``coordinator up``) tries again and
     again, logging each failed attempt, and gives up with `StopRequested` when ``stop`` is set.
     Anything else (a CLI command, a job) gives up with `Unavailable` at the first failed attempt
-    or after ``connect_timeout_s``.
+    or once every server has had its ``connect_timeout_s``: each server gets that long, so a
+    node that does not answer at all (powered off) costs one server's timeout, and the next
+    one is tried.
 
     ``auth`` is the service's `Settings.nats_auth`; without it the ``NATS_*`` credential
     variables of this process's environment apply (the CLI and the jobs).
@@ -112,16 +114,18 @@ async def connect(
         "ping_interval": PING_INTERVAL_S,
         "max_outstanding_pings": MAX_OUTSTANDING_PINGS,
     }
+    # nats.py gives each server ``connect_timeout`` in turn: the attempt allows all of them.
+    within_s = connect_timeout_s * len(servers)
     if stop is None:
         try:
-            return await _connect_once(where, name, options, within_s=connect_timeout_s, stop=None)
+            return await _connect_once(where, name, options, within_s=within_s, stop=None)
         except _Unreached as exc:
             raise Unavailable(f"cannot reach NATS at {where}: {exc}") from exc.__cause__
     attempt = 0
     while not stop.is_set():
         attempt += 1
         try:
-            return await _connect_once(where, name, options, within_s=connect_timeout_s, stop=stop)
+            return await _connect_once(where, name, options, within_s=within_s, stop=stop)
         except _Unreached as exc:
             if _refused_credentials(exc.__cause__):
                 # The server is up and said no: waiting will not change its mind.

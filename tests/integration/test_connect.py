@@ -97,6 +97,21 @@ async def test_a_client_given_a_cluster_connects_to_a_server_that_is_up(
         await nc.close()
 
 
+async def test_a_node_that_never_answers_costs_one_servers_timeout_and_the_next_is_tried(
+    nats_server: NatsServer,
+) -> None:
+    """A cluster node that is powered off answers nothing: the client gives it its connect
+    timeout and goes on to the next server, whichever order it tries them in (nats.py
+    shuffles them), instead of spending the whole attempt on it."""
+    with silent_server() as silent:
+        for _ in range(6):  # about half of them try the silent one first
+            nc = await connect(f"{silent},{nats_server.url}", "test", connect_timeout_s=1.0)
+            try:
+                assert nc.connected_url is not None and nc.connected_url.port == nats_server.port
+            finally:
+                await nc.close()
+
+
 def test_a_malformed_server_in_nats_url_stops_a_service_naming_it() -> None:
     result = run_cli(
         "router", env=clean_env(NATS_URL="nats://127.0.0.1:4222, nats://a host:4222"), timeout=30
