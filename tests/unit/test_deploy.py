@@ -81,6 +81,16 @@ def test_every_service_runs_a_command_that_exists_with_variables_the_settings_re
             assert variable in known or standard, f"{name}: {variable} is read by no settings"
 
 
+def test_the_ports_published_on_the_host_can_be_moved_from_env() -> None:
+    """A host that runs a NATS of its own (4222) can still run the stack: the host's ports are
+    variables with the usual defaults, both named in the example environment."""
+    services = compose()["services"]
+    assert services["nats"]["ports"] == ["${NATS_HOST_PORT:-4222}:4222"]
+    assert services["gateway"]["ports"] == ["127.0.0.1:${GATEWAY_HOST_PORT:-11400}:11400"]
+    example = (DEPLOY_DIR / "example.env").read_text()
+    assert "# NATS_HOST_PORT=4222" in example and "# GATEWAY_HOST_PORT=11400" in example
+
+
 def test_every_service_has_a_restart_policy_and_long_running_ones_a_health_check() -> None:
     services = compose()["services"]
     needed_done = {
