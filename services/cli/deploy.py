@@ -1,6 +1,6 @@
 """``coordinator setup | health | deploy render``: what running the fleet for real needs.
 
-- ``setup`` (with the admin NATS user) creates the streams and buckets every service uses, so
+- ``setup`` (with the operator NATS user) creates the streams and buckets every service uses, so
   that services whose users may not create streams can start (deploy/nats/nats-server.conf).
 - ``health ROLE`` answers a container's or a unit's health check: the role's service answers
   a NATS micro ``PING``, or the worker's registry entry is fresh.
@@ -37,7 +37,7 @@ def register(sub: Any) -> None:
     """Add ``setup``, ``health`` and ``deploy`` to the ``coordinator`` parser."""
     setup = sub.add_parser(
         "setup",
-        help="create or update the streams and buckets (with the admin NATS user)",
+        help="create or update the streams and buckets (with the operator NATS user)",
         description="Reads NATS_URL and the NATS_* credentials, WORKER_TTL_S, "
         "EVENTS_MAX_AGE_S (0: keep every event) and NATS_REPLICAS.",
     )

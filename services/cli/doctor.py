@@ -18,7 +18,7 @@ counts) and whether events are parked.
 
 The checks are pure functions of what was gathered (`doctor_checks`), so they are tested
 without servers; the unit files are read by `unit_scan`; `gather` here does the I/O. Run it
-with the admin NATS user: it reads every consumer. Exit status 0 when nothing is wrong, 1 when
+with the operator NATS user: it reads every consumer. Exit status 0 when nothing is wrong, 1 when
 a check found a problem.
 """
 
