@@ -23,6 +23,7 @@ from schemas.subjects import TASK, WORKERS
 from services import __version__
 from services.cli import deploy, doctor, keys, stats_commands
 from services.cli.client import open_client, route_and_wait
+from services.runtime import waitfor
 from services.runtime.errors import ConfigError, CoordinatorError
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.logging import setup_logging
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``coordinator`` console command."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    waitfor.install()  # no cancellation lost: every stop ends (`services.runtime.waitfor`)
     try:
         code = args.func(args)
     except CoordinatorError as exc:  # error replies too (`services.runtime.request`)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from services.backends.choose import make_backend
+from services.runtime import waitfor
 from services.runtime.bus import connect, ensure_streams
 from services.runtime.consumers import bind
 from services.runtime.lifecycle import run_until_stopped
@@ -44,4 +45,5 @@ async def main(stop: asyncio.Event) -> None:
 
 
 if __name__ == "__main__":
+    waitfor.install()
     run_until_stopped(main)
