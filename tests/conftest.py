@@ -7,6 +7,13 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from devtools.servers import NatsServer, Postgres, running_nats
+from services.runtime import waitfor
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The services run here in-process as the ``coordinator`` command runs them: with an
+    ``asyncio.wait_for`` that never loses a cancellation (`services.runtime.waitfor`)."""
+    waitfor.install()
 
 
 @pytest.fixture

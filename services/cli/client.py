@@ -8,7 +8,6 @@ Calling the endpoints (`call`, `stream_call`: an error reply raised as its code'
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 from pathlib import Path
@@ -18,11 +17,11 @@ from nats.aio.client import Client
 
 from schemas.route import RouteReply, RouteRequest
 from schemas.subjects import ROUTE
+from services.cli import stackfile
 from services.runtime.bus import connect
+from services.runtime.errors import Unavailable
 from services.runtime.logging import setup_logging
 from services.runtime.request import REASK_AFTER_S, new_task_id, stream_call
-
-STACK_FILE = "stack.json"
 
 _reply_decoder = msgspec.json.Decoder(RouteReply)
 
@@ -32,20 +31,23 @@ def coordinator_home() -> Path:
 
 
 def stack_file() -> Path:
-    return coordinator_home() / STACK_FILE
+    return coordinator_home() / stackfile.STACK_FILE
 
 
 def find_nats_url() -> str:
-    """``NATS_URL``; else the stack ``coordinator up`` recorded; else the default URL."""
+    """``NATS_URL``; else the stack ``coordinator up`` recorded; else the default URL.
+
+    A recorded stack whose ``coordinator up`` is gone (killed, so it left its file behind) is
+    an `Unavailable` that says so, rather than a wait on addresses nothing serves."""
     if os.environ.get("NATS_URL"):
         return os.environ["NATS_URL"]
     path = stack_file()
-    if path.exists():
-        try:
-            return str(json.loads(path.read_text())["nats_url"])
-        except (ValueError, KeyError):
-            pass
-    return "nats://127.0.0.1:4222"
+    record = stackfile.read(path)
+    if record is None:
+        return "nats://127.0.0.1:4222"
+    if not stackfile.is_running(record.pid, record.started):
+        raise Unavailable(stackfile.stale_message(path, record))
+    return record.nats_url
 
 
 async def open_client() -> Client:

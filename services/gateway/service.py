@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from contextlib import suppress
+from typing import Final
 
 import msgspec
 import structlog
@@ -51,12 +51,15 @@ from services.gateway.responses import JSON, NDJSON, json_errors, read_body, ref
 from services.gateway.task_api import TaskShape, task_route
 from services.runtime.bus import connect
 from services.runtime.errors import ConfigError, WaitTimeout
-from services.runtime.lifecycle import TaskSet
+from services.runtime.lifecycle import TaskSet, close_bus, stop_within
 from services.runtime.settings import GatewaySettings
 
 log = structlog.get_logger("gateway")
 
 _encoder = msgspec.json.Encoder()
+
+# At a stop, open HTTP requests get this long (aiohttp's shutdown_timeout), then are cut.
+SHUTDOWN_S: Final = 5.0
 
 Parser = Callable[..., Ask | Instant]
 MakeShape = Callable[[str, Ask | None], Shape]
@@ -329,7 +332,7 @@ async def serve(gateway: Gateway, host: str, port: int) -> web.AppRunner:
         gateway.app(),
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=5.0,
+        shutdown_timeout=SHUTDOWN_S,
         keepalive_timeout=gateway.settings.gateway_keepalive_timeout_s,
         auto_decompress=False,  # `read_body` inflates, in the API's own errors
     )
@@ -379,11 +382,10 @@ async def run(settings: GatewaySettings, stop: asyncio.Event) -> None:
             await stop.wait()
         finally:
             gateway.feed.close()  # the dashboard's streams end, so the server stops at once
-            await runner.cleanup()
+            await stop_within("the HTTP server", runner.cleanup(), SHUTDOWN_S + 1.0)
     finally:
         await gateway.feed.stop()
         await gateway.tasks.wait(timeout_s=2.0)
         await gateway.access.stop()
         await gateway.replies.stop()
-        with suppress(Exception):
-            await nc.drain()
+        await close_bus(nc)

@@ -45,7 +45,7 @@ from services.reaper.view import ReaperView
 from services.runtime.bus import connect, ensure_bucket, ensure_streams, flush_written
 from services.runtime.endpoints import add_endpoint
 from services.runtime.leadership import Leadership
-from services.runtime.lifecycle import TaskSet
+from services.runtime.lifecycle import TaskSet, close_bus, stop_within
 from services.runtime.settings import ReaperSettings
 
 log = structlog.get_logger("reaper")
@@ -105,9 +105,9 @@ class Reaper:
         )
 
     async def stop(self) -> None:
+        """Stop answering and following; every step bounded, none raising."""
         if self._service is not None:
-            with suppress(Exception):
-                await self._service.stop()
+            await stop_within("reaper endpoints", self._service.stop())
         await self.feeds.stop()
         await self.tasks.wait(timeout_s=1.0)
         h = self.handler
@@ -192,5 +192,4 @@ async def run(settings: ReaperSettings, stop: asyncio.Event) -> None:
         await reaper.run(stop)
     finally:
         await reaper.stop()
-        with suppress(Exception):
-            await nc.drain()
+        await close_bus(nc)

@@ -75,7 +75,7 @@ from services.runtime.errors import (
     Unavailable,
     UnsupportedCapability,
 )
-from services.runtime.lifecycle import TaskSet
+from services.runtime.lifecycle import TaskSet, close_bus, stop_within
 from services.runtime.request import new_task_id
 from services.runtime.settings import RouterSettings
 from services.runtime.watch import follow_bucket
@@ -192,8 +192,10 @@ class Router:
         log.info("router ready", subjects=[ROUTE, WORKERS, CANCEL])
 
     async def stop(self) -> None:
+        """Stop answering and following; every step bounded, none raising (the bus may be
+        away)."""
         if self._service is not None:
-            await self._service.stop()
+            await stop_within("router endpoints", self._service.stop())
         for sub in (*self._event_subs, self._problems_sub, self._chunk_sub):
             if sub is not None:
                 with suppress(Exception):
@@ -392,4 +394,4 @@ async def run(settings: RouterSettings, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         await router.stop()
-        await nc.drain()
+        await close_bus(nc)

@@ -45,7 +45,7 @@ from services.runtime.bus import connect, ensure_bucket, ensure_streams, flush_w
 from services.runtime.endpoints import Handler, add_endpoint, serve_subject
 from services.runtime.errors import Unavailable
 from services.runtime.leadership import Leadership
-from services.runtime.lifecycle import TaskSet
+from services.runtime.lifecycle import TaskSet, close_bus, stop_within
 from services.runtime.request import raise_if_error
 from services.runtime.settings import StatsSettings
 from services.stats.consumer import ProjectionConsumer
@@ -200,8 +200,7 @@ class StatsService:
     async def stop(self) -> None:
         """Stop the endpoints; log one summary line (`run` has stopped projecting)."""
         if self._service is not None:
-            with suppress(Exception):
-                await self._service.stop()
+            await stop_within("stats endpoints", self._service.stop())
         await self.tasks.wait(timeout_s=1.0)
         c = self.projection.counters
         log.info(
@@ -226,6 +225,7 @@ async def run(settings: StatsSettings, stop: asyncio.Event) -> None:
             await service.run(stop)
         finally:
             await service.stop()
-            await nc.drain()
+            await close_bus(nc)
     finally:
-        await store.close()
+        # The pool's connections in use get 2 s, then are terminated (within the step's time).
+        await stop_within("close the database pool", store.close(timeout_s=2.0))

@@ -39,6 +39,7 @@ from services.backends.choose import make_backend
 from services.runtime.bus import connect
 from services.runtime.consumers import WEB_POOL, Queue
 from services.runtime.errors import BackendError, BackendTimeout, SearchError, WorkerStopping
+from services.runtime.lifecycle import close_bus, stop_within
 from services.runtime.settings import WebSearchSettings
 from services.runtime.taskkind import Attempt, LoopSettings, loop_settings
 from services.runtime.taskloop import TaskLoop
@@ -295,7 +296,6 @@ async def run(settings: WebSearchSettings, stop: asyncio.Event) -> None:
         await kind.check_dependencies(nc)
         await TaskLoop(nc, kind, web_loop_settings(settings)).run(stop)
     finally:
-        await searxng.aclose()
-        await backend.aclose()
-        with suppress(Exception):
-            await nc.drain()
+        await stop_within("close the SearXNG client", searxng.aclose())
+        await stop_within("close the backend's connections", backend.aclose())
+        await close_bus(nc)

@@ -31,6 +31,7 @@ from services.runtime.aliases import AliasFollower
 from services.runtime.bus import connect
 from services.runtime.consumers import CPU_POOL, Queue
 from services.runtime.errors import BackendError, BackendUnavailable, ConfigError
+from services.runtime.lifecycle import close_bus, stop_within
 from services.runtime.settings import WorkerSettings
 from services.runtime.sleep import SleepPolicy
 from services.runtime.taskkind import Attempt, LoopSettings, loop_settings
@@ -351,6 +352,5 @@ async def run(settings: WorkerSettings, stop: asyncio.Event, *, own_process: boo
     try:
         await serve(nc, settings, backend, stop, own_process=own_process)
     finally:
-        await backend.aclose()
-        with suppress(Exception):
-            await nc.drain()
+        await stop_within("close the backend's connections", backend.aclose())
+        await close_bus(nc)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 
 from services.backends.choose import make_backend
+from services.runtime import waitfor
 from services.runtime.bus import connect, ensure_streams
 from services.runtime.consumers import bind
-from services.runtime.lifecycle import run_until_stopped
+from services.runtime.lifecycle import close_bus, run_until_stopped, stop_budget_s
 from services.runtime.settings import WorkerSettings
 from services.runtime.taskloop import Source, TaskLoop
 from services.worker.service import Inference, inference_loop_settings
@@ -40,8 +41,9 @@ async def main(stop: asyncio.Event) -> None:
     finally:
         await source.sub.unsubscribe()
         await backend.aclose()
-        await nc.drain()
+        await close_bus(nc)
 
 
 if __name__ == "__main__":
-    run_until_stopped(main)
+    waitfor.install()
+    run_until_stopped(main, budget_s=stop_budget_s(WorkerSettings.from_env().stop_grace_s))

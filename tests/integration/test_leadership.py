@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -43,6 +44,11 @@ TTL_S = 3.0
 def state_of(leadership: Leadership) -> str:
     """``leadership.state`` now (a call, so that a check after an await reads it again)."""
     return leadership.state
+
+
+async def in_state(leadership: Leadership, state: str) -> bool:
+    """Whether ``leadership`` is in ``state`` now (for `eventually`)."""
+    return leadership.state == state
 
 
 def kill(log: ProcessLog) -> None:
@@ -161,7 +167,8 @@ async def test_an_active_instance_whose_renewals_are_not_stored_stops_before_its
         )
         await kv.update("stats", msgspec.json.encode(theirs), last=entry.revision)
         await asyncio.wait_for(stopped.wait(), 5)
-        assert leader.state == "standby"
+        # The leadership takes note a moment after the work's own clean-up has run.
+        await eventually(partial(in_state, leader, "standby"), timeout_s=5)
 
         async def standing_by() -> bool:
             return any(e["event"] == "stats standing by" for e in logs)
@@ -209,7 +216,7 @@ async def test_an_active_instance_cut_off_from_nats_stops_before_its_lease_can_e
             last_stored = leader.lease.stored_at
             assert last_stored is not None
             assert stopped_at[0] < last_stored + TTL_S  # before anyone may judge it stale
-            assert state_of(leader) == "standby"
+            await eventually(partial(in_state, leader, "standby"), timeout_s=5)
 
             nats_server.start()
             await asyncio.wait_for(acting.wait(), 20)  # the role again, once back
