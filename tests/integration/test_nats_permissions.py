@@ -17,6 +17,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import NotFoundError
 from structlog.testing import capture_logs
 
 from devtools.fakes.ollama import FakeOllama
@@ -33,6 +34,7 @@ from schemas.subjects import (
     TASK,
     TASKS_STREAM,
     inbox_prefix,
+    task_event,
 )
 from services.cli.health import check_health, setup_streams
 from services.cli.permissions import (
@@ -48,6 +50,7 @@ from services.runtime.aliases import AliasFollower
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.errors import Unavailable
 from services.runtime.outcomes import stored_ends
+from services.runtime.request import new_task_id
 from services.runtime.settings import NatsAuth, ReaperSettings, StatsSettings
 from services.stats.service import run as run_stats
 from tests.harness import (
@@ -451,7 +454,9 @@ async def test_two_of_each_service_share_the_work_under_their_own_users(
         client = await connect_as(secured, "client")
         try:
             await workers_live(client, 1)
-            ollama.delay_s = 4.0  # the worker busy with it while the next one is cancelled
+            # The worker busy with this one until the test cancels it, so the next task waits
+            # in the queue, under way, while it is cancelled again and again.
+            ollama.delay_s = 120.0
             queued, _ = await request(client, ROUTE, {"prompt": "1+1", "model": MODEL})
             # The second of each starts with a task in the log.
             runner.start(
@@ -479,15 +484,18 @@ async def test_two_of_each_service_share_the_work_under_their_own_users(
                 assert "Nats-Service-Error-Code" not in headers, figures
             inbox = client.new_inbox()
             answers = await client.subscribe(inbox)
-            body = msgspec.json.encode({"prompt": "2+2", "model": MODEL, "wait": True})
-            await client.publish(ROUTE, body, reply=inbox)
-            await asyncio.sleep(0.5)
+            waiting = new_task_id()
+            body = {"prompt": "2+2", "model": MODEL, "wait": True, "task_id": waiting}
+            await client.publish(ROUTE, msgspec.json.encode(body), reply=inbox)
+            await eventually(lambda: routed(admin, waiting))
             for _ in range(6):  # either router takes each: every one is a cancel
                 cancel, headers = await request(client, CANCEL, {"reply_to": inbox}, 5.0)
                 assert "Nats-Service-Error-Code" not in headers, cancel
+            # The worker, freed, takes the cancelled one and ends it unrun.
+            await request(client, CANCEL, {"task_id": queued["task_id"]}, 5.0)
             final = msgspec.json.decode((await answers.next_msg(timeout=15)).data)
             assert final["failure"]["code"] == "cancelled"
-            assert final["task_id"] != queued["task_id"]
+            assert final["task_id"] == waiting
         finally:
             await client.close()
         await runner.stop_all()
@@ -495,6 +503,15 @@ async def test_two_of_each_service_share_the_work_under_their_own_users(
     assert denied == []
     assert not [e for e in logs if e["event"].startswith("tasks under way not read back")]
     assert not [e for e in logs if "cannot reach the leaders bucket" in e["event"]]
+
+
+async def routed(nc: Client, task_id: str) -> bool:
+    """Has a router stored the task's ``routed`` (its waiting request held from then on)?"""
+    try:
+        await nc.jetstream().get_last_msg(EVENTS_STREAM, task_event(task_id, "routed"))
+    except NotFoundError:
+        return False
+    return True
 
 
 async def test_each_active_standby_role_may_hold_only_its_own_lease(
