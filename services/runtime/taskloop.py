@@ -62,6 +62,7 @@ from services.runtime.bus import ensure_streams, flush_written, publish_event
 from services.runtime.consumers import Queue, bind
 from services.runtime.errors import LeaseLost
 from services.runtime.lease import Lease, deregister
+from services.runtime.lifecycle import stop_within
 from services.runtime.pull import holds_delivery, pull_one
 from services.runtime.sleep import forget_sleeping, go_to_sleep, watch_idle
 from services.runtime.taskkind import HealthWatch, Kind, LoopSettings
@@ -236,8 +237,10 @@ class TaskLoop:
                         self.js, self.lease, self.record(), self.settings.sleep, idle_s=idle_s
                     )
                 else:
-                    lost = self.lease.lost.is_set()
-                    await deregister(self.lease, self.js, "lease lost" if lost else "stopped")
+                    # Bounded: with the bus gone, each of its writes would wait out its timeout,
+                    # and the entry expires after a TTL anyway.
+                    why = "lease lost" if self.lease.lost.is_set() else "stopped"
+                    await stop_within("goodbye", deregister(self.lease, self.js, why))
             finally:
                 # Whatever became of the goodbye (a bus away, a stop cut short), the backend's
                 # connections are closed.
