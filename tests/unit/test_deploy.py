@@ -266,3 +266,32 @@ def test_help_the_readme_and_compose_agree_that_the_operator_user_runs_setup() -
     readme = (DEPLOY_DIR.parent / "README.md").read_text()
     assert "create or update the streams and buckets (with the operator NATS user)" in readme
     assert compose()["services"]["setup"]["environment"]["NATS_USER"] == "operator"
+
+
+def test_compose_gives_every_service_its_whole_stop_budget() -> None:
+    """Docker kills a container that has not stopped within ``stop_grace_period`` (10 s by
+    default): each of ours is given at least its stop budget at the default settings."""
+    from services.cli.stopping import budget_of
+    from services.runtime.settings import (
+        GatewaySettings,
+        ReaperSettings,
+        RouterSettings,
+        Settings,
+        StatsSettings,
+        WebSearchSettings,
+        WorkerSettings,
+    )
+
+    defaults: dict[str, Settings] = {
+        "router": RouterSettings.from_env({}),
+        "stats": StatsSettings.from_env({"PG_DSN": "postgresql://compose"}),
+        "reaper": ReaperSettings.from_env({}),
+        "gateway": GatewaySettings.from_env({}),
+        "web_search": WebSearchSettings.from_env({}),
+        "worker": WorkerSettings.from_env({}),
+    }
+    services = compose()["services"]
+    for name, settings in defaults.items():
+        granted = services[name].get("stop_grace_period", "10s")
+        assert granted.endswith("s"), name
+        assert float(granted[:-1]) >= budget_of(settings), name
