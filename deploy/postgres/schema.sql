@@ -257,3 +257,12 @@ CREATE TABLE IF NOT EXISTS workers_seen (
     stop_reason    text,
     updated_seq    bigint NOT NULL
 );
+
+-- The digest of this file as last applied here (services/stats/store.py, `apply_schema`). A
+-- start that finds it unchanged runs none of the above: an `ALTER TABLE` takes its table's
+-- strongest lock even when it changes nothing, and a standby starting beside an instance that
+-- is projecting would otherwise queue behind (or deadlock with) that instance's writes.
+CREATE TABLE IF NOT EXISTS schema_applied (
+    digest      text NOT NULL,
+    applied_at  timestamptz NOT NULL
+);

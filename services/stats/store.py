@@ -16,6 +16,8 @@ violation), so the caller can retry the one and set the other aside.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Any, Final, Self
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+import structlog
 from asyncpg import Record
 
 from schemas.events import AnyEvent
@@ -46,14 +49,20 @@ from services.stats.rows import (
     SELECT_TASK,
     TASK_COLUMNS,
     TASKS_PROJECTION,
+    Connection,
     FigureKey,
     state_from_row,
 )
+
+log = structlog.get_logger("stats")
 
 SCHEMA_PATH: Final = Path(__file__).resolve().parents[2] / "deploy/postgres/schema.sql"
 
 # Two services starting together must not race on CREATE TABLE IF NOT EXISTS.
 _SCHEMA_LOCK: Final = 7_301_001
+# How long one try at applying the schema waits for a table's lock, and how many tries.
+SCHEMA_LOCK_TIMEOUT_S: Final = 2.0
+SCHEMA_TRIES: Final = 30
 
 _SELECT_FIGURES: Final = f"SELECT {', '.join(FIGURE_COLUMNS)} FROM figures"
 _SELECT_EXCLUSIONS: Final = (
@@ -107,12 +116,27 @@ class Store:
             self._pool.terminate()
 
     async def apply_schema(self, path: Path = SCHEMA_PATH) -> None:
-        """Create the tables if they do not exist (``deploy/postgres/schema.sql``)."""
+        """Create the tables if they do not exist, and bring older ones up to date
+        (``deploy/postgres/schema.sql``); nothing at all when this very file was applied last.
+
+        Applying takes strong locks (an ``ALTER TABLE`` takes its table's strongest even when
+        it changes nothing), which another instance that is projecting may hold the other way
+        round: each try waits at most `SCHEMA_LOCK_TIMEOUT_S` for a lock, and a try that would
+        wait longer, or that PostgreSQL ends as a deadlock, is made again (the other instance's
+        transactions are short)."""
         sql = await asyncio.to_thread(path.read_text, encoding="utf-8")
-        with database_errors():
-            async with self._pool.acquire() as conn, conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
-                await conn.execute(sql)
+        digest = hashlib.sha256(sql.encode()).hexdigest()
+        for attempt in itertools.count(1):
+            try:
+                with database_errors():
+                    async with self._pool.acquire() as conn:
+                        await _apply_schema_once(conn, sql, digest)
+                return
+            except Unavailable as exc:
+                if attempt >= SCHEMA_TRIES or not _lock_conflict(exc.__cause__):
+                    raise
+                log.info("the schema waits for another instance's writes", attempt=attempt)
+                await asyncio.sleep(min(0.2 * attempt, 2.0))
 
     async def current_schema(self) -> str:
         """The schema the read model's tables live in (first on the search_path)."""
@@ -407,4 +431,36 @@ def _exclusion(row: Record) -> ExclusionView:
         added_at=row["added_at"].timestamp(),
         withdrawn_at=row["withdrawn_at"].timestamp() if row["withdrawn_at"] is not None else None,
         withdraw_reason=row["withdraw_reason"],
+    )
+
+
+async def _apply_schema_once(conn: Connection, sql: str, digest: str) -> None:
+    """One try at `Store.apply_schema`: nothing when ``digest`` was applied last, else the file
+    and its digest in one transaction, one instance at a time."""
+    if await _applied_schema(conn) == digest:
+        return
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
+        if await _applied_schema(conn) == digest:
+            return  # another instance applied it meanwhile
+        await conn.execute(f"SET LOCAL lock_timeout = '{int(SCHEMA_LOCK_TIMEOUT_S * 1000)}ms'")
+        await conn.execute(sql)
+        await conn.execute("DELETE FROM schema_applied")
+        await conn.execute(
+            "INSERT INTO schema_applied (digest, applied_at) VALUES ($1, now())", digest
+        )
+
+
+async def _applied_schema(conn: Connection) -> str | None:
+    """The digest of the schema file applied last here (its ``schema_applied`` row), if any."""
+    if await conn.fetchval("SELECT to_regclass('schema_applied')") is None:
+        return None
+    digest = await conn.fetchval("SELECT digest FROM schema_applied LIMIT 1")
+    return None if digest is None else str(digest)
+
+
+def _lock_conflict(exc: BaseException | None) -> bool:
+    """A deadlock PostgreSQL broke, or a lock not granted within ``lock_timeout``."""
+    return isinstance(
+        exc, asyncpg.exceptions.DeadlockDetectedError | asyncpg.exceptions.LockNotAvailableError
     )

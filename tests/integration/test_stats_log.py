@@ -392,7 +392,7 @@ async def test_tables_from_before_digests_keep_their_rows_and_get_digests_at_sta
             # The tables as the release before this one left them.
             await conn.execute(
                 "ALTER TABLE projection_tracking DROP COLUMN digest; "
-                "DROP TABLE replaced_tracking; DROP TABLE parked_events"
+                "DROP TABLE replaced_tracking; DROP TABLE parked_events; DROP TABLE schema_applied"
             )
         finally:
             await conn.close()
@@ -438,3 +438,42 @@ async def test_a_digest_tells_a_redelivery_from_another_event_at_the_same_positi
     assert [(r["stream_seq"], r["replaced_from"]) for r in set_aside] == [(1, 1)]
     assert set_aside[0]["digest"] != tracked[0]["digest"]
     assert applied_one
+
+
+async def test_a_stats_service_starting_beside_a_busy_one_takes_no_lock_on_its_tables(
+    pg_dsn: str,
+) -> None:
+    """A standby starts while the active instance writes: the schema it would apply is the one
+    applied already, so it applies nothing and waits for no lock (an ALTER TABLE takes its
+    table's strongest lock even when it changes nothing: the two deadlocked). A schema that
+    must be brought up to date meanwhile waits for the writer's transaction to end."""
+    first = await Store.connect(pg_dsn)
+    try:
+        await first.apply_schema()
+        writer = await asyncpg.connect(pg_dsn)
+        try:
+            busy = writer.transaction()
+            await busy.start()  # a batch in hand: its locks held until it commits
+            await writer.execute(
+                "INSERT INTO projection_tracking (projection, stream_seq, digest) "
+                "VALUES ('tasks', 999999, '\\x00')"
+            )
+            second = await Store.connect(pg_dsn)
+            try:
+                await asyncio.wait_for(second.apply_schema(), 5)  # would wait for the writer
+                other = await asyncpg.connect(pg_dsn)
+                try:
+                    await other.execute("DELETE FROM schema_applied")  # as an older release left
+                finally:
+                    await other.close()
+                bring_up = asyncio.create_task(second.apply_schema())
+                await asyncio.sleep(0.5)
+                assert not bring_up.done()  # it waits for the writer's lock, unharmed
+                await busy.rollback()
+                await asyncio.wait_for(bring_up, 30)
+            finally:
+                await second.close()
+        finally:
+            await writer.close()
+    finally:
+        await first.close()
