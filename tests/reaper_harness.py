@@ -20,7 +20,7 @@ from nats.js.errors import NotFoundError
 
 from schemas.events import TaskEvent, kind_of, task_event_decoder
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
-from schemas.tasks import TaskMessage
+from schemas.tasks import TaskMessage, task_decoder
 from schemas.workers import Capability, WorkerRecord
 from services.runtime.bus import ensure_streams
 
@@ -151,19 +151,24 @@ class Registration:
         self.silence()
 
 
-async def queued_copies(nc: Client, queue: str) -> list[tuple[str, int]]:
-    """(task id, attempt) of every message on ``queue`` still in ``TASKS``."""
+async def queued_messages(nc: Client, queue: str) -> list[tuple[TaskMessage, int]]:
+    """Every task message on ``queue`` still in ``TASKS``, with its stream sequence."""
     js = nc.jetstream()
-    found: list[tuple[str, int]] = []
+    found: list[tuple[TaskMessage, int]] = []
     seq = 1
     while True:
         try:
             raw = await js.get_msg(TASKS_STREAM, seq=seq, subject=queue, next=True)
         except NotFoundError:
             return found
-        message = msgspec.json.decode(raw.data or b"", type=TaskMessage)
-        found.append((message.task_id, message.attempt))
-        seq = (raw.seq or seq) + 1
+        seq = raw.seq or seq
+        found.append((task_decoder.decode(raw.data or b""), seq))
+        seq += 1
+
+
+async def queued_copies(nc: Client, queue: str) -> list[tuple[str, int]]:
+    """(task id, attempt) of every message on ``queue`` still in ``TASKS``."""
+    return [(message.task_id, message.attempt) for message, _ in await queued_messages(nc, queue)]
 
 
 async def no_live_worker_serving(nc: Client, model: str) -> None:

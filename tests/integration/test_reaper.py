@@ -13,7 +13,6 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from structlog.testing import capture_logs
 
 from devtools.fakes.ollama import FakeOllama
@@ -52,7 +51,13 @@ from tests.harness import (
     request,
     workers_live,
 )
-from tests.reaper_harness import MODEL, Registration, TaskEvents, queued_copies
+from tests.reaper_harness import (
+    MODEL,
+    Registration,
+    TaskEvents,
+    queued_copies,
+    queued_messages,
+)
 
 SPOF = "no alternative worker can serve model '{model}' (reason={reason}); single point of failure"
 
@@ -280,7 +285,7 @@ async def test_a_task_whose_message_went_missing_behind_a_busy_worker_is_queued_
         second = await route(nc, worker="cpu-a")
 
         async def behind() -> int | None:
-            found = [seq for _, seq in await queue_seqs(js, "tasks.cpu.cpu-a")]
+            found = [seq for _, seq in await queued_messages(nc, "tasks.cpu.cpu-a")]
             return found[-1] if len(found) == 2 else None
 
         lost = await eventually(behind)
@@ -299,20 +304,6 @@ async def test_a_task_whose_message_went_missing_behind_a_busy_worker_is_queued_
         assert "its message is missing from the queue" in routed[-1].reason
         [first_end] = events.of(first["task_id"], "completed")
         assert events.events.index(routed[-1]) < events.events.index(first_end)
-
-
-async def queue_seqs(js: JetStreamContext, queue: str) -> list[tuple[str, int]]:
-    """(task id, stream sequence) of every message on ``queue`` still in ``TASKS``."""
-    found: list[tuple[str, int]] = []
-    seq = 1
-    while True:
-        try:
-            raw = await js.get_msg("TASKS", seq=seq, subject=queue, next=True)
-        except NotFoundError:
-            return found
-        message = msgspec.json.decode(raw.data or b"", type=TaskMessage)
-        found.append((message.task_id, int(raw.seq or seq)))
-        seq = (raw.seq or seq) + 1
 
 
 async def test_a_web_search_task_is_never_re_dispatched_it_fails_with_the_reason(
