@@ -19,7 +19,10 @@ route, so nothing inside them can send elsewhere through this machine.
 
 Needs root and ``ip`` (iproute2); `netns_unavailable` says why not, for a skip. Runs on one
 machine at a time share the addresses (10.231.<index>.0/30), so `netns_hosts` holds a lock for
-as long as its hosts exist.
+as long as its hosts exist. A run killed before its clean-up leaves its hosts behind, and a
+stale link holding the same address would take the new host's traffic (its route is found
+first): so whoever takes the lock first removes every test host it finds, all of them stale,
+since the lock's holder is the only run that makes them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Final
 
+# Names of a test host's namespace and of its link's ends, this machine's end first.
+NAMESPACE_PREFIX: Final = "cohost"
+LINK_PREFIX: Final = "coh"
 # Addresses of the test hosts: 10.231.<index>.0/30, this machine's end .1, the host's .2.
 SUBNET_PREFIX: Final = "10.231"
 TEST_NETWORK: Final = f"{SUBNET_PREFIX}.0.0/16"
@@ -70,8 +76,8 @@ class NetnsHost:
     def __init__(self, index: int) -> None:
         tag = f"{os.getpid() % 100000}{index}"
         self.index = index
-        self.name = f"cohost{tag}"
-        self.outer = f"coh{tag}"  # this machine's end of the link
+        self.name = f"{NAMESPACE_PREFIX}{tag}"
+        self.outer = f"{LINK_PREFIX}{tag}"  # this machine's end of the link
         self.inner = f"con{tag}"  # the host's end
         self.gateway_ip = f"{SUBNET_PREFIX}.{index}.1"
         self.ip = f"{SUBNET_PREFIX}.{index}.2"
@@ -135,6 +141,46 @@ class NetnsHost:
             _ip("netns", "delete", self.name)
 
 
+def stale_hosts() -> list[str]:
+    """Test hosts' namespaces and links on this machine (every one of them stale while no run
+    holds the lock)."""
+    namespaces = [
+        line.split()[0]
+        for line in _ip("netns", "list").splitlines()
+        if line.startswith(NAMESPACE_PREFIX)
+    ]
+    # `ip -o link show`: "7: coh14682@if6: <...> ...", one line per link.
+    names = (
+        line.split()[1].split("@")[0].rstrip(":") for line in _ip("-o", "link", "show").splitlines()
+    )
+    links = [name for name in names if name.startswith(LINK_PREFIX)]
+    return namespaces + links
+
+
+def remove_stale_hosts() -> list[str]:
+    """Remove what an earlier run left: its processes, namespaces, links and blackhole routes.
+    Call it only while holding the lock. Says what it removed."""
+    removed = stale_hosts()
+    for name in removed:
+        if not name.startswith(NAMESPACE_PREFIX):
+            with suppress(subprocess.CalledProcessError):
+                _ip("link", "delete", name)  # takes its peer, its address and its route
+            continue
+        with suppress(subprocess.CalledProcessError):
+            for pid in _ip("netns", "pids", name).split():
+                with suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        with suppress(subprocess.CalledProcessError):
+            _ip("netns", "delete", name)
+    for line in _ip("route", "show", "type", "blackhole").splitlines():
+        subnet = line.split()[1] if line.startswith("blackhole ") else ""
+        if subnet.startswith(f"{SUBNET_PREFIX}."):
+            with suppress(subprocess.CalledProcessError):
+                _ip("route", "delete", "blackhole", subnet, "metric", _BLACKHOLE_METRIC)
+                removed.append(f"blackhole {subnet}")
+    return removed
+
+
 @contextmanager
 def _forwarding() -> Iterator[None]:
     """IPv4 forwarding on in this machine's namespace, its old value back at the end."""
@@ -154,6 +200,7 @@ def netns_hosts(count: int, *, routed: bool = False) -> Iterator[list[NetnsHost]
     """
     with _LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        remove_stale_hosts()
         with _forwarding() if routed else nullcontext():
             hosts: list[NetnsHost] = []
             try:

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 import asyncpg
 
@@ -80,6 +81,7 @@ class NatsServer:
         self.config = config
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log: IO[bytes] | None = None
 
     @property
     def host(self) -> str:
@@ -101,13 +103,25 @@ class NatsServer:
             with open(limits, "w") as f:
                 f.write(f"max_payload: {MAX_PAYLOAD}\n")
             args = ["-c", limits, "-js", *where, "-sd", self.store_dir]
+        # Its log, read back when it fails to come up.
+        self._close_log()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop)
         self.proc = subprocess.Popen(
             [*self.wrap, nats_server_binary(), *args],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=self.log,
             env={**os.environ, **(self.env or {})},
         )
-        wait_for_port(self.port, host=self.host)
+        try:
+            wait_for_port(self.port, host=self.host)
+        except RuntimeError as exc:
+            # Not left running behind the error, and the error says what the server said.
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+            self.log.seek(0)
+            said = self.log.read().decode(errors="replace").strip()[-2000:]
+            raise RuntimeError(f"{exc}; nats-server said: {said or '(nothing)'}") from None
         return self
 
     def stop(self) -> None:
@@ -119,6 +133,12 @@ class NatsServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
 
 class NatsCluster:
@@ -216,10 +236,14 @@ class NatsCluster:
         return ",".join(node.url for node in self.nodes)
 
     def start(self, timeout_s: float = 30.0) -> NatsCluster:
-        for node in self.nodes:
-            node.start()
-        for i in range(len(self.nodes)):
-            self.wait_healthy(i, timeout_s)
+        try:
+            for node in self.nodes:
+                node.start()
+            for i in range(len(self.nodes)):
+                self.wait_healthy(i, timeout_s)
+        except BaseException:
+            self.stop()  # no node left running behind the error
+            raise
         return self
 
     def monitor(self, i: int, path: str) -> tuple[int, bytes]:
