@@ -250,7 +250,7 @@ class Gateway:
     # -- the task API ----------------------------------------------------------------------------
 
     async def route(self, request: web.Request) -> web.StreamResponse:
-        """``POST /route``: the bus's route request and reply, as DESIGN.md has them."""
+        """``POST /route``: the bus's route request and reply, as docs/interfaces.md has them."""
         shape = TaskShape()
         body = b""
         try:

@@ -82,7 +82,7 @@ def routed_msg_id(task_id: str, attempt: int) -> str:
 
 
 def task_msg_id(task_id: str, attempt: int) -> str:
-    """The task message's id: ``Nats-Msg-Id = <task_id>:<attempt>`` (DESIGN, messaging)."""
+    """The task message's id: ``Nats-Msg-Id = <task_id>:<attempt>`` (docs/design.md, Messaging)."""
     return f"{task_id}:{attempt}"
 
 

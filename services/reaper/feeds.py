@@ -1,4 +1,4 @@
-"""What keeps the reaper's view up to date (DESIGN: the reaper never queries Postgres).
+"""What keeps the reaper's view up to date (docs/design.md: the reaper never queries Postgres).
 
 A KV watch of ``workers``, ``asleep`` and ``stats`` (the routing figures a moved task is
 routed by), and an ordered consumer on ``EVENTS`` that starts ``REAPER_LOOKBACK_S`` back, so a

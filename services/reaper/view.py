@@ -1,9 +1,9 @@
 """The reaper's in-memory view of tasks, workers and queues. Pure: no I/O, no clock.
 
-Fed like the router's (DESIGN: router and reaper never query Postgres): the ``workers`` bucket
-by a KV watch, the tasks by the ``EVENTS`` stream (read back ``REAPER_LOOKBACK_S`` at start,
-so a restarted reaper knows what is still under way), and the queues by JetStream's consumer
-info, sampled at each look.
+Fed like the router's (docs/design.md: router and reaper never query Postgres): the
+``workers`` bucket by a KV watch, the tasks by the ``EVENTS`` stream (read back
+``REAPER_LOOKBACK_S`` at start, so a restarted reaper knows what is still under way), and the
+queues by JetStream's consumer info, sampled at each look.
 
 A task's track follows the same fencing as the stats projection: every event after
 ``submitted`` names an attempt; one of a lower attempt than the track's is stale and changes

@@ -14,11 +14,11 @@ connection. The limit is below the TTL (by default the TTL less one heartbeat in
 generation has stopped before the reaper may judge the worker dead and move its task. The
 service manager (systemd, launchd, compose) starts the worker again.
 
-The bound, as the README states it: two generations of one task never overlap when a worker's
-process stalls, as long as its watchdog runs (a separate process: a stop or a stall of the worker
-alone does not stop it). If the whole host is frozen the watchdog is frozen with it, and so is a
-backend on that host; a backend on another host (``OLLAMA_HOST`` elsewhere) is the one case left
-open. An idle worker is not killed: nothing of it runs twice.
+The bound, as docs/guarantees.md states it: two generations of one task never overlap when a
+worker's process stalls, as long as its watchdog runs (a separate process: a stop or a stall of
+the worker alone does not stop it). If the whole host is frozen the watchdog is frozen with it,
+and so is a backend on that host; a backend on another host (``OLLAMA_HOST`` elsewhere) is the
+one case left open. An idle worker is not killed: nothing of it runs twice.
 
 The watchdog itself, when it is the one stopped (a Ctrl-Z stops both), gives the worker a fresh
 limit from when it runs again: it judges only silence it was awake to see.

@@ -12,7 +12,7 @@ any number of them share the queue. This is the web-search kind; a task ends:
   results), when its client cancelled it, or when the worker that began it was lost
   (`services.fleet.takeover`).
 
-Web-search tasks are never run twice (DESIGN lesson 8): their failures surface.
+Web-search tasks are never run twice (docs/design.md, lesson 8): their failures surface.
 """
 
 from __future__ import annotations
