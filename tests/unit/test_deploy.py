@@ -256,15 +256,16 @@ def test_deploy_render_commands_parse() -> None:
     assert (args.cluster, args.routes, args.node) == ("c", "a,b,c", "b")
 
 
-def test_help_the_readme_and_compose_agree_that_the_operator_user_runs_setup() -> None:
+def test_help_the_docs_and_compose_agree_that_the_operator_user_runs_setup() -> None:
     """The operator role may create streams and buckets (services/cli/permissions.py); the
-    command's help, the README and the compose stack all say (and do) so."""
+    command's help, the commands' page (docs/interfaces.md) and the compose stack all say (and
+    do) so."""
     help_text = " ".join(build_parser().format_help().split())
     assert "setup create or update the streams and buckets (with the operator NATS user)" in (
         help_text
     )
-    readme = (DEPLOY_DIR.parent / "README.md").read_text()
-    assert "create or update the streams and buckets (with the operator NATS user)" in readme
+    commands = (ROOT / "docs" / "interfaces.md").read_text()
+    assert "create or update the streams and buckets (with the operator NATS user)" in commands
     assert compose()["services"]["setup"]["environment"]["NATS_USER"] == "operator"
 
 

@@ -185,16 +185,18 @@ def test_a_reply_that_is_no_error_passes() -> None:
     raise_if_error(b"{}", {})
 
 
-def test_every_code_is_named_in_the_readme() -> None:
+def test_every_code_is_named_in_the_interface_pages() -> None:
     """A client or an operator meets each code somewhere (a reply, a task's failure, a
-    service's last line): the README names every one the catalogue defines."""
+    service's last line, an HTTP answer): the pages that describe those, docs/interfaces.md
+    and docs/gateway.md, name every one the catalogue defines."""
 
     def catalogue(cls: type[errors.CoordinatorError]) -> set[str]:
         own = {cls.__dict__["code"]} if "code" in cls.__dict__ else set()
         return own.union(*(catalogue(sub) for sub in cls.__subclasses__()))
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    docs = Path(__file__).parents[2] / "docs"
+    pages = (docs / "interfaces.md").read_text() + (docs / "gateway.md").read_text()
     missing = sorted(
-        code for code in catalogue(errors.CoordinatorError) if f"`{code}`" not in readme
+        code for code in catalogue(errors.CoordinatorError) if f"`{code}`" not in pages
     )
     assert not missing, missing
