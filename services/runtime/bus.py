@@ -28,8 +28,9 @@ from nats.js.api import (
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamInfo,
 )
-from nats.js.errors import APIError, BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from schemas.events import AnyEvent, encoder, subject_for
@@ -292,13 +293,49 @@ def _norm(value: Any) -> Any:
     return value or None
 
 
+# A JetStream that does not answer at all: a stream's leader being elected, a node still
+# catching up after a restart (JetStream answers "unavailable" or not at all for seconds).
+_JETSTREAM_SILENT: Final = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    ServiceUnavailableError,
+)
+
+
+async def _stream_info(js: JetStreamContext, name: str) -> StreamInfo:
+    """The stream's info. A service waits while JetStream does not answer, as it waits for NATS
+    at start, until it is stopped: leaving would need a supervisor to start it again, and a
+    fleet's elections last seconds. A one-shot command (no stop event) asks once."""
+    stop = current_stop()
+    attempt = 0
+    while True:
+        try:
+            return await js.stream_info(name)
+        except _JETSTREAM_SILENT as exc:
+            if stop is None:
+                raise
+            attempt += 1
+            retry_in_s = min(FIRST_CONNECT_RETRY_S * 2 ** (attempt - 1), FIRST_CONNECT_RETRY_MAX_S)
+            log.warning(
+                "JetStream does not answer; asking again",
+                stream=name,
+                error=repr(exc),
+                attempt=attempt,
+                retry_in_s=retry_in_s,
+            )
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), retry_in_s)
+        if stop.is_set():
+            raise StopRequested(f"stopped before JetStream answered about stream {name}")
+
+
 async def _add_or_update(
     js: JetStreamContext, config: StreamConfig, owned: tuple[str, ...] = _OWNED
 ) -> None:
     """Create the stream if it is missing, bring the ``owned`` settings in line if they differ."""
     assert config.name is not None
     try:
-        info = await js.stream_info(config.name)
+        info = await _stream_info(js, config.name)
     except NotFoundError:
         try:
             await js.add_stream(config)
@@ -374,7 +411,7 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, *, ttl_s: float | Non
     """Create the KV bucket, or update its TTL when it exists with another one."""
     config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE)
     try:
-        info = await js.stream_info(f"KV_{bucket}")
+        info = await _stream_info(js, f"KV_{bucket}")
     except NotFoundError:
         try:
             return await js.create_key_value(config)

@@ -35,7 +35,17 @@ from services.cli.permissions import (
 from services.cli.replication import FLEET_BUCKETS, FLEET_STREAMS
 from services.runtime.bus import connect
 from services.runtime.settings import NatsAuth
-from tests.harness import ServiceRunner, clean_env, eventually, request, run_cli, workers_live
+from tests.harness import (
+    COORDINATOR,
+    Processes,
+    ServiceRunner,
+    clean_env,
+    eventually,
+    logged,
+    request,
+    run_cli,
+    workers_live,
+)
 
 WORKER = EXAMPLE_WORKERS[0]
 USERS = [
@@ -299,6 +309,31 @@ async def test_services_and_clients_fail_over_when_their_node_is_killed(
     finally:
         await operator.close()
         await nc.close()
+
+
+async def test_a_service_started_while_jetstream_cannot_answer_waits_for_it(
+    cluster: NatsCluster, ollama: FakeOllama, processes: Processes
+) -> None:
+    """Two of three nodes down: the last one has no quorum, and JetStream answers nothing. A
+    worker started then (as after a machine's reboot while its peers come back) waits, saying
+    why, and is ready once the nodes are back, instead of exiting for a supervisor to retry."""
+    await setup_streams(
+        cluster.url, worker_ttl_s=3.0, events_max_age_s=0.0, auth=auth("operator"), replicas=3
+    )
+    cluster.kill(1)
+    cluster.kill(2)
+    worker_user = nats_user("worker", WORKER)
+    env = user_env(cluster.nodes[0].url, worker_user, OLLAMA_HOST=ollama.url, WORKER_ID=WORKER)
+    worker = processes.start([COORDINATOR, "worker"], env)
+    await logged(worker, "JetStream does not answer; asking again", timeout_s=30)
+    assert worker.poll() is None
+
+    for i in (1, 2):
+        cluster.nodes[i].start()
+    for i in (1, 2):
+        await asyncio.to_thread(cluster.wait_healthy, i, 60.0)
+    await logged(worker, "worker ready", timeout_s=60)
+    assert worker.poll() is None
 
 
 def doctor_lines(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
