@@ -50,6 +50,20 @@ def find_nats_url() -> str:
     return record.nats_url
 
 
+def find_pg_dsn(nats_url: str) -> str | None:
+    """``PG_DSN``; else the PostgreSQL of the stack ``coordinator up`` recorded, when
+    ``nats_url`` is that stack's NATS too (a PostgreSQL beside another NATS would be checked
+    against the wrong event log); else None."""
+    if os.environ.get("PG_DSN"):
+        return os.environ["PG_DSN"]
+    record = stackfile.read(stack_file())
+    if record is None or record.nats_url != nats_url or not record.pg_dsn:
+        return None
+    if not stackfile.is_running(record.pid, record.started):
+        return None
+    return record.pg_dsn
+
+
 async def open_client() -> Client:
     return await connect(find_nats_url(), "coordinator-cli", connect_timeout_s=3.0)
 
