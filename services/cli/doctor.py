@@ -12,9 +12,10 @@ node of a JetStream cluster it checks the cluster too: its peers and meta leader
 system account's user, ``NATS_SYSTEM_USER``/``NATS_SYSTEM_PASSWORD``) and each stream's
 replicas (`doctor_cluster`).
 
-With ``PG_DSN`` it also reads the stats read model: whether it holds the events ``EVENTS``
-holds (the event it applied last is the one ``EVENTS`` holds there, no event of an older log
-counts) and whether events are parked.
+With ``PG_DSN`` (unset: the PostgreSQL of the stack ``coordinator up`` recorded, when the
+doctor reads that stack's NATS) it also reads the stats read model: whether it holds the
+events ``EVENTS`` holds (the event it applied last is the one ``EVENTS`` holds there, no event
+of an older log counts) and whether events are parked.
 
 The checks are pure functions of what was gathered (`doctor_checks`), so they are tested
 without servers; the unit files are read by `unit_scan`; `gather` here does the I/O. Run it
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -268,7 +268,7 @@ def register(sub: Any) -> None:
         help="check NATS, streams, consumers, PostgreSQL, workers and service units",
         description="One line per check; exit 1 when one found a problem. Reads NATS_URL (or "
         "the stack `coordinator up` recorded), the NATS_* credentials (use the operator user), "
-        "PG_DSN, and on a cluster NATS_SYSTEM_USER and NATS_SYSTEM_PASSWORD.",
+        "PG_DSN (or the stack's), and on a cluster NATS_SYSTEM_USER and NATS_SYSTEM_PASSWORD.",
     )
     doctor.add_argument(
         "--unit-dir",
@@ -280,16 +280,17 @@ def register(sub: Any) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from services.cli.client import find_nats_url
+    from services.cli.client import find_nats_url, find_pg_dsn
     from services.runtime.logging import setup_logging
     from services.runtime.settings import DoctorSettings
 
     setup_logging("error", "console", stream=sys.stderr)
     unit_dirs = args.unit_dirs or (list(DEFAULT_UNIT_DIRS) if sys.platform == "linux" else None)
+    nats_url = find_nats_url()
     checks = asyncio.run(
         run_doctor(
-            find_nats_url(),
-            pg_dsn=os.environ.get("PG_DSN") or None,
+            nats_url,
+            pg_dsn=find_pg_dsn(nats_url),
             unit_dirs=unit_dirs,
             system=DoctorSettings.from_env().system_auth(),
         )

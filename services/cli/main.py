@@ -22,13 +22,13 @@ from schemas.models import COMPLETION, facts_in
 from schemas.subjects import TASK, WORKERS
 from services import __version__
 from services.cli import deploy, doctor, keys, stats_commands
-from services.cli.client import open_client, route_and_wait
+from services.cli.client import open_client, route_and_wait, say_asking_again
 from services.cli.stopping import budget_of
 from services.runtime import waitfor
 from services.runtime.errors import ConfigError, CoordinatorError
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.logging import setup_logging
-from services.runtime.request import call
+from services.runtime.request import UNSERVED_FOR_S, call
 from services.runtime.settings import (
     GatewaySettings,
     ReaperSettings,
@@ -182,10 +182,19 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _request(subject: str, body: bytes, timeout_s: float) -> bytes:
+    """A query (it changes nothing, so it is asked again while nobody can serve it)."""
+
     async def go() -> bytes:
         nc = await open_client()
         try:
-            return await call(nc, subject, body, timeout_s)
+            return await call(
+                nc,
+                subject,
+                body,
+                timeout_s,
+                unserved_s=UNSERVED_FOR_S,
+                on_unserved=say_asking_again,
+            )
         finally:
             await nc.close()
 

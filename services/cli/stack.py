@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -160,15 +162,80 @@ def embedded_postgres(home: Path) -> Iterator[str]:
         server.cleanup()
 
 
-def check_ollama(url: str) -> str | None:
+class _TaggedModel(msgspec.Struct):
+    name: str
+
+
+class _Tags(msgspec.Struct):
+    """The model names of Ollama's ``/api/tags`` answer (the rest is not read)."""
+
+    models: list[_TaggedModel] = []
+
+
+_tags_decoder = msgspec.json.Decoder(_Tags)
+
+
+@dataclass(frozen=True, slots=True)
+class OllamaCheck:
+    problem: str | None
     """None when Ollama answers ``/api/tags``; otherwise why not, in plain words."""
+    models: list[str]
+    """The models it lists, in its order (none when it cannot be read)."""
+
+
+def check_ollama(url: str) -> OllamaCheck:
+    """Does Ollama answer ``/api/tags``, and with which models?"""
     try:
         reply = httpx.get(f"{url.rstrip('/')}/api/tags", timeout=3.0)
     except httpx.HTTPError as exc:
-        return f"Ollama at {url} cannot be reached ({type(exc).__name__}: {exc})"
+        return OllamaCheck(f"Ollama at {url} cannot be reached ({type(exc).__name__}: {exc})", [])
     if reply.status_code != 200:
-        return f"Ollama at {url} answered /api/tags with HTTP {reply.status_code}"
-    return None
+        return OllamaCheck(f"Ollama at {url} answered /api/tags with HTTP {reply.status_code}", [])
+    try:
+        tags = _tags_decoder.decode(reply.content)
+    except msgspec.DecodeError:
+        return OllamaCheck(None, [])  # it answers: the worker says what it makes of the list
+    return OllamaCheck(None, [model.name for model in tags.models])
+
+
+def coordinator_command(home: Path) -> str:
+    """How to run this ``coordinator`` from any shell and directory, as the banner prints it.
+
+    The running executable's absolute path: ``./scripts/up`` runs ``.venv/bin/coordinator``,
+    which no ``PATH`` holds (run as ``python -m``, that again). With ``COORDINATOR_HOME``
+    before it when the stack's home is not the default one, since the other commands find
+    the stack through it.
+    """
+    script = Path(sys.argv[0])
+    if script.suffix != ".py" and script.is_file():
+        program = shlex.quote(os.path.abspath(script))
+    else:
+        program = f"{shlex.quote(sys.executable)} -m services.cli.main"
+    if home.absolute() == (Path.home() / ".coordinator").absolute():
+        return program
+    return f"COORDINATOR_HOME={shlex.quote(str(home.absolute()))} {program}"
+
+
+def local_url(host: str, port: int) -> str:
+    """The URL this machine reaches a server at that listens on ``host``: a wildcard
+    address (every interface) through the loopback, an IPv6 address in brackets."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def model_to_try(served: list[str], wanted: list[str]) -> str:
+    """A model to name in the banner's example: the first one Ollama lists that the local
+    worker serves (``WORKER_MODELS`` narrows them); a placeholder when there is none."""
+    for model in served:
+        if not wanted or model in wanted:
+            return model
+    return "MODEL"
 
 
 def up() -> int:
@@ -223,13 +290,16 @@ async def _up(settings: UpSettings, home: Path) -> None:
         say(f"NATS        {record.nats_url}{embedded}")
         say(f"PostgreSQL  {pg_dsn}{'' if settings.pg_dsn else '  (embedded)'}")
         say(f"Ollama      {settings.ollama_host}")
-        problem = await asyncio.to_thread(check_ollama, settings.ollama_host)
-        if problem:
-            say(f"WARNING     {problem}; the local worker waits and registers when it answers")
+        ollama = await asyncio.to_thread(check_ollama, settings.ollama_host)
+        if ollama.problem:
+            say(
+                f"WARNING     {ollama.problem}; the local worker waits and registers when it "
+                "answers"
+            )
         say(f"stack file  {state}  (other coordinator commands find the stack through it)")
         say("stop        Ctrl-C (or SIGTERM) stops every service cleanly")
         env = {**os.environ, "NATS_URL": record.nats_url, "PG_DSN": pg_dsn}
-        await _run_services(env, stop)
+        await _run_services(env, stop, coordinator_command(home), ollama.models)
 
 
 def _take_over(state: Path) -> None:
@@ -265,7 +335,13 @@ async def _enter(stack: contextlib.AsyncExitStack, manager: AbstractContextManag
     return value
 
 
-async def _run_services(env: dict[str, str], stop: asyncio.Event) -> None:
+async def _run_services(
+    env: dict[str, str], stop: asyncio.Event, command: str, served: list[str]
+) -> None:
+    """Say where the gateway and its dashboard are and which commands to try (``command``
+    runs this ``coordinator``; ``served``: Ollama's models), then run the services until
+    ``stop``."""
+    from services.gateway.keys import DASHBOARD_PAGE
     from services.gateway.service import run as run_gateway
     from services.reaper.service import run as run_reaper
     from services.router.service import run as run_router
@@ -273,22 +349,27 @@ async def _run_services(env: dict[str, str], stop: asyncio.Event) -> None:
     from services.worker.service import run as run_worker
 
     gateway = GatewaySettings.from_env(env)
+    worker = WorkerSettings.from_env(env)
     services: list[tuple[str, Callable[[Any, asyncio.Event], Awaitable[None]], Settings]] = [
         ("router", run_router, RouterSettings.from_env(env)),
         ("stats", run_stats, StatsSettings.from_env(env)),
-        ("worker", run_worker, WorkerSettings.from_env(env)),
+        ("worker", run_worker, worker),
         ("reaper", run_reaper, ReaperSettings.from_env(env)),
         ("gateway", run_gateway, gateway),
     ]
-    url = f"http://{gateway.gateway_host}:{gateway.gateway_port}"
+    url = local_url(gateway.gateway_host, gateway.gateway_port)
     say(f"gateway     {url}  (Ollama and OpenAI APIs: OLLAMA_HOST={url} ollama list)")
+    say(f"dashboard   {url}{DASHBOARD_PAGE}")
     tasks = [
         asyncio.create_task(
             _supervise(name, _bind(fn, settings), stop, budget_of(settings)), name=name
         )
         for name, fn, settings in services
     ]
-    say('ready       coordinator ask "1+1は？" --model <model>   |   coordinator workers')
+    # One command a line, each as a shell takes it from any directory.
+    model = shlex.quote(model_to_try(served, worker.worker_models))
+    say(f'ready       {command} ask "1+1は？" --model {model}')
+    say(f"            {command} workers")
     await asyncio.gather(*tasks)
 
 

@@ -48,7 +48,7 @@ from schemas.subjects import (
     STATS_PARKED,
     STATS_REBUILD,
 )
-from services.cli.client import find_nats_url, open_client
+from services.cli.client import find_nats_url, open_client, say_asking_again
 from services.cli.stats_args import model_list, time_arg, timeout_arg
 from services.cli.stats_format import (
     aliases_lines,
@@ -59,7 +59,7 @@ from services.cli.stats_format import (
     rebuild_line,
 )
 from services.runtime.logging import setup_logging
-from services.runtime.request import call
+from services.runtime.request import UNSERVED_FOR_S, call
 
 EXIT_FAILED = 1
 
@@ -158,11 +158,23 @@ def _run(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
     return asyncio.run(main())
 
 
-def _request(subject: str, body: msgspec.Struct | None, timeout_s: float = 30.0) -> bytes:
+def _request(
+    subject: str, body: msgspec.Struct | None, timeout_s: float = 30.0, *, query: bool = False
+) -> bytes:
+    """``query``: the request changes nothing, so it is asked again while nobody can serve it
+    (a stats instance taking over); a change is asked once, and its error said."""
+
     async def go() -> bytes:
         nc = await open_client()
         try:
-            return await call(nc, subject, b"{}" if body is None else _json.encode(body), timeout_s)
+            return await call(
+                nc,
+                subject,
+                b"{}" if body is None else _json.encode(body),
+                timeout_s,
+                unserved_s=UNSERVED_FOR_S if query else None,
+                on_unserved=say_asking_again,
+            )
         finally:
             await nc.close()
 
@@ -188,7 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_figures(args: argparse.Namespace) -> int:
     query = StatsQuery(model=args.model, worker=args.worker, domain=args.domain)
-    body = _request(STATS, query)
+    body = _request(STATS, query, query=True)
     if args.json:
         print(body.decode())
         return 0
@@ -223,7 +235,7 @@ def cmd_include(args: argparse.Namespace) -> int:
 
 
 def cmd_exclusions(args: argparse.Namespace) -> int:
-    body = _request(STATS_EXCLUSIONS, ExclusionsQuery(withdrawn=args.all))
+    body = _request(STATS_EXCLUSIONS, ExclusionsQuery(withdrawn=args.all), query=True)
     if args.json:
         print(body.decode())
         return 0
@@ -243,7 +255,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
 
 def cmd_parked(args: argparse.Namespace) -> int:
-    body = _request(STATS_PARKED, None)
+    body = _request(STATS_PARKED, None, query=True)
     if args.json:
         print(body.decode())
         return 0
@@ -269,7 +281,7 @@ def cmd_alias_remove(args: argparse.Namespace) -> int:
 
 
 def cmd_alias_list(args: argparse.Namespace) -> int:
-    body = _request(ALIASES, None)
+    body = _request(ALIASES, None, query=True)
     if args.json:
         print(body.decode())
         return 0

@@ -19,15 +19,22 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, suppress
+from typing import Final
 
 import msgspec
 import nats.errors
 from nats.aio.client import Client
 
 from schemas.route import CHUNK_HEADER, ErrorBody, StreamChunk
-from services.runtime.errors import NoResponder, TooLarge, Unavailable, from_code
+from services.runtime.errors import (
+    CoordinatorError,
+    NoResponder,
+    TooLarge,
+    Unavailable,
+    from_code,
+)
 from services.runtime.tracing import inject_context
 
 # The errors of the connection itself: the call may work again once it has reconnected.
@@ -46,6 +53,16 @@ _chunk_decoder = msgspec.json.Decoder(StreamChunk)
 # task id: a router that died takes its answer with it, and a live one stays silent until the
 # end of a task that streams nothing.
 REASK_AFTER_S = 10.0
+# How long a request that may be asked again is asked again while nobody can serve it (see the
+# module's docstring): past a JetStream cluster's leader election (4 to 9 s) and a service's
+# start, short enough that a stack that is not running is said so within seconds.
+UNSERVED_FOR_S: Final = 10.0
+# How often it is asked meanwhile.
+ASK_AGAIN_EVERY_S: Final = 0.5
+
+# Told, once per spell, that a request found nobody able to serve it and is asked again: the
+# error it got, and for how long at most it is asked (a CLI says so on stderr).
+OnUnserved = Callable[[CoordinatorError, float], None]
 
 
 def new_task_id() -> str:
@@ -67,11 +84,34 @@ def _bus_errors(subject: str) -> Iterator[None]:
         raise Unavailable(f"{subject}: the NATS connection failed: {exc}") from exc
 
 
-async def call(nc: Client, subject: str, body: bytes, timeout_s: float) -> bytes:
+async def call(
+    nc: Client,
+    subject: str,
+    body: bytes,
+    timeout_s: float,
+    *,
+    unserved_s: float | None = None,
+    on_unserved: OnUnserved | None = None,
+) -> bytes:
     """Request/reply; an error reply raises the catalogued class of its code.
 
-    The current trace context goes along (``traceparent``), so the service continues it.
+    The current trace context goes along (``traceparent``), so the service continues it. With
+    ``unserved_s`` (a request that may be asked again: one that changes nothing), a request
+    nobody can serve just now (nobody listens on ``subject``, an ``unavailable`` reply, the
+    connection reconnecting) is asked again every `ASK_AGAIN_EVERY_S` for up to ``unserved_s``
+    before its error is raised; one not answered within ``timeout_s`` is not.
     """
+    unserved = None if unserved_s is None else _Unserved(subject, unserved_s, on_unserved)
+    while True:
+        try:
+            return await _call_once(nc, subject, body, timeout_s)
+        except (Unavailable, NoResponder) as exc:
+            if unserved is None or not _nobody_could_serve(exc):
+                raise
+            await unserved.wait(exc)
+
+
+async def _call_once(nc: Client, subject: str, body: bytes, timeout_s: float) -> bytes:
     with _bus_errors(subject):
         try:
             reply = await nc.request(
@@ -81,6 +121,48 @@ async def call(nc: Client, subject: str, body: bytes, timeout_s: float) -> bytes
             raise NoResponder(f"{subject} did not answer within {timeout_s:g} s") from exc
     raise_if_error(reply.data, reply.headers or {})
     return reply.data
+
+
+def _nobody_could_serve(exc: Unavailable | NoResponder) -> bool:
+    """Does ``exc`` say that nobody could serve the request just now (rather than that nobody
+    answered it in time, which asking again would only make longer)?"""
+    return isinstance(exc, Unavailable) or isinstance(exc.__cause__, nats.errors.NoRespondersError)
+
+
+class _Unserved:
+    """A spell of answers saying that nobody can serve a request just now, bounded by
+    ``within_s`` from its first answer."""
+
+    def __init__(self, subject: str, within_s: float, on_unserved: OnUnserved | None) -> None:
+        self.subject = subject
+        self.within_s = within_s
+        self.on_unserved = on_unserved
+        self.since: float | None = None
+
+    def end(self) -> None:
+        """The request was served (or is held by a service): a later spell is bounded anew."""
+        self.since = None
+
+    async def wait(self, exc: Unavailable | NoResponder) -> None:
+        """Wait until the request is to be asked again; raise when the spell has lasted
+        ``within_s``: ``exc``'s class, saying how long it was asked."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            if self.on_unserved is not None:
+                self.on_unserved(exc, self.within_s)
+        left = self.since + self.within_s - now
+        if left <= 0:
+            if isinstance(exc, NoResponder):
+                raise NoResponder(
+                    f"no service answered {self.subject} in {self.within_s:g} s of asking: "
+                    "is the stack running?"
+                ) from exc
+            raise Unavailable(
+                f"{self.subject} was still unavailable after asking again for "
+                f"{self.within_s:g} s: {exc.message}"
+            ) from exc
+        await asyncio.sleep(min(ASK_AGAIN_EVERY_S, left))
 
 
 def raise_if_error(data: bytes, headers: dict[str, str]) -> None:
@@ -96,7 +178,14 @@ def raise_if_error(data: bytes, headers: dict[str, str]) -> None:
 
 
 async def stream_call(
-    nc: Client, subject: str, body: bytes, timeout_s: float, *, reask_s: float | None = None
+    nc: Client,
+    subject: str,
+    body: bytes,
+    timeout_s: float,
+    *,
+    reask_s: float | None = None,
+    unserved_s: float | None = None,
+    on_unserved: OnUnserved | None = None,
 ) -> AsyncIterator[StreamChunk | bytes]:
     """A request whose answer comes as chunks, then one final reply (yielded as bytes).
 
@@ -104,11 +193,20 @@ async def stream_call(
     ``timeout_s`` bounds the silence before the answer's end. With ``reask_s`` (a request
     that can be asked again, such as a route request naming its task), a silence that long
     sends the request again to the same reply subject, and a bus with nobody to answer at
-    that moment (a router restarting) is waited out rather than an error.
+    that moment (a router restarting) is waited out rather than an error. With ``unserved_s``
+    as well, a request that nobody can serve just now (nobody listens on ``subject`` before a
+    service took it, or an ``unavailable`` reply) is asked again every `ASK_AGAIN_EVERY_S`
+    for up to ``unserved_s`` before its error is raised.
     """
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     headers = inject_context({}) or None
+    unserved = None if unserved_s is None else _Unserved(subject, unserved_s, on_unserved)
+
+    async def ask_again() -> None:
+        with suppress(Unavailable, NoResponder), _bus_errors(subject):
+            await nc.publish(subject, body, reply=inbox, headers=headers)
+
     try:
         with _bus_errors(subject):
             await nc.publish(subject, body, reply=inbox, headers=headers)
@@ -127,20 +225,35 @@ async def stream_call(
                     raise NoResponder(f"{subject}: nothing arrived for {timeout_s:g} s") from exc
                 if isinstance(exc, Unavailable):
                     await asyncio.sleep(min(reask_s, 1.0))  # reconnecting: ask once it is back
+                elif unserved is not None:
+                    unserved.end()  # silence: a service holds the request
                 asked_again = True
-                with suppress(Unavailable, NoResponder), _bus_errors(subject):
-                    await nc.publish(subject, body, reply=inbox, headers=headers)
+                await ask_again()
                 continue
             msg_headers = msg.headers or {}
             if msg_headers.get("Status") == "503":
-                if not asked_again:
-                    raise NoResponder(f"no service answers {subject}: is the stack running?")
-                continue  # nobody there to ask again just now: the next silence asks again
+                if asked_again:
+                    continue  # nobody there to ask again just now: the next silence asks again
+                nobody = NoResponder(f"no service answers {subject}: is the stack running?")
+                if unserved is None:
+                    raise nobody
+                await unserved.wait(nobody)
+                await ask_again()
+                continue
             heard = time.monotonic()
             if CHUNK_HEADER in msg_headers:
+                if unserved is not None:
+                    unserved.end()
                 yield _chunk_decoder.decode(msg.data)
                 continue
-            raise_if_error(msg.data, msg_headers)
+            try:
+                raise_if_error(msg.data, msg_headers)
+            except Unavailable as exc:
+                if unserved is None:
+                    raise
+                await unserved.wait(exc)
+                await ask_again()
+                continue
             yield msg.data
             return
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from benchmarks.up_stop import start_up, stop_up, up_env, wait_ready
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer, free_port
 from schemas.subjects import TASKS_STREAM, WORKERS_BUCKET
@@ -171,3 +173,39 @@ async def test_health_says_whether_each_role_is_up(
     assert "not registered" in await check_health("worker", {**worker, "WORKER_ID": "cpu9"})
     down = await check_health("stats", {"NATS_URL": f"nats://127.0.0.1:{free_port()}"})
     assert down.startswith("cannot reach NATS at")
+
+
+def checks_of(stdout: str) -> dict[str, tuple[str, str]]:
+    """The doctor's lines: each check's name, with its status and detail."""
+    return {line[9:31].strip(): (line[:8].strip(), line[32:]) for line in stdout.splitlines()}
+
+
+async def test_the_doctor_checks_the_postgresql_of_the_stack_up_runs_unless_pg_dsn_is_set(
+    tmp_path: Path, ollama: FakeOllama
+) -> None:
+    home = tmp_path / "home"
+    env = up_env(home, ollama.url, pg_dsn=None)  # PostgreSQL embedded, as on a fresh machine
+    up = start_up(home, env)
+    try:
+        await asyncio.to_thread(wait_ready, up, home)
+        found = await asyncio.to_thread(
+            run_cli, "doctor", "--unit-dir", str(tmp_path), env=env, timeout=60
+        )
+        elsewhere = f"postgresql://postgres@127.0.0.1:{free_port()}/coordinator"
+        told = await asyncio.to_thread(
+            run_cli,
+            "doctor",
+            "--unit-dir",
+            str(tmp_path),
+            env={**env, "PG_DSN": elsewhere},
+            timeout=60,
+        )
+    finally:
+        trial = await asyncio.to_thread(stop_up, up, home, signal.SIGINT, 60.0)
+    assert trial.ok, trial.describe()
+
+    assert "PG_DSN" not in env
+    status, detail = checks_of(found.stdout)["postgresql"]
+    assert (status, detail.split()[0]) == ("ok", "PostgreSQL"), found.stdout + found.stderr
+    status, detail = checks_of(told.stdout)["postgresql"]
+    assert status == "problem" and detail.startswith("cannot connect: "), told.stdout

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import msgspec
 from nats.aio.client import Client
 
+from benchmarks.up_stop import up_env
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from tests.harness import (
@@ -160,6 +163,74 @@ async def test_coordinator_up_runs_the_stack_that_ask_and_task_then_use(
     assert up.returncode == 0, rest
     assert "stack stopped" in rest
     assert not (tmp_path / "home" / "stack.json").exists()
+
+
+async def logged(up: subprocess.Popen[str], *events: str) -> None:
+    """Read ``up``'s log (JSON lines on stdout) until each of ``events`` has been logged."""
+    assert up.stdout is not None
+    waiting = set(events)
+    while waiting:
+        line = await asyncio.to_thread(up.stdout.readline)
+        if not line:
+            raise AssertionError(f"coordinator up ended before logging {sorted(waiting)}")
+        if line.startswith("{"):
+            waiting.discard(msgspec.json.decode(line).get("event"))
+
+
+def as_a_shell_runs_it(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``command`` run by ``sh`` as typed, in ``cwd``, with no Coordinator setting and a
+    ``PATH`` without the project's virtualenv."""
+    env = {k: v for k, v in clean_env().items() if k != "COORDINATOR_HOME"}
+    env["PATH"] = "/usr/bin:/bin"
+    return subprocess.run(
+        ["/bin/sh", "-c", command],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def test_the_banner_of_coordinator_up_names_commands_and_a_dashboard_that_work_as_printed(
+    tmp_path: Path, ollama: FakeOllama, processes: Processes, pg_dsn: str
+) -> None:
+    home = tmp_path / "home"
+    env = up_env(home, ollama.url, pg_dsn)
+    up = processes.start([COORDINATOR, "up"], env)
+    banner = await wait_until_ready(up)
+    assert up.stderr is not None
+    ask_line = banner.splitlines()[-1]
+    workers_line = await asyncio.to_thread(up.stderr.readline)
+    await logged(up, "router ready", "worker ready", "gateway ready")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    dashboards = [line.split()[1] for line in banner.splitlines() if line.startswith("dashboard")]
+    asked = await asyncio.to_thread(as_a_shell_runs_it, ask_line.removeprefix("ready"), elsewhere)
+    listed = await asyncio.to_thread(as_a_shell_runs_it, workers_line, elsewhere)
+    async with httpx.AsyncClient(timeout=30) as http:
+        page = await http.get(dashboards[0])
+
+    # The executable that runs, by its absolute path, and the stack's home, which is not the
+    # default one: what a new shell needs to find the stack.
+    assert os.path.isabs(COORDINATOR)
+    assert ask_line == (
+        f'ready       COORDINATOR_HOME={home} {COORDINATOR} ask "1+1は？" --model {MODEL}'
+    )
+    assert workers_line == f"            COORDINATOR_HOME={home} {COORDINATOR} workers\n"
+    assert asked.returncode == 0, asked.stderr
+    assert asked.stdout == "2\n"
+    assert listed.returncode == 0, listed.stderr
+    assert MODEL in listed.stdout
+    assert dashboards == [f"http://127.0.0.1:{env['GATEWAY_PORT']}/dashboard"]
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+
+    up.send_signal(signal.SIGINT)
+    await asyncio.to_thread(up.communicate, timeout=30)
+    assert up.returncode == 0
 
 
 async def test_coordinator_up_says_plainly_when_ollama_cannot_be_reached(

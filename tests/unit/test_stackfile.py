@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import stackfile
-from services.cli.client import find_nats_url
+from services.cli.client import find_nats_url, find_pg_dsn
 from services.cli.stackfile import StackRecord
 from services.runtime.errors import Unavailable
 
@@ -104,3 +104,25 @@ def test_commands_say_a_stack_that_was_killed_is_not_running(
     )
     monkeypatch.setenv("NATS_URL", "nats://elsewhere:4222")
     assert find_nats_url() == "nats://elsewhere:4222"  # NATS_URL comes first
+
+
+def test_the_doctor_takes_the_stacks_postgresql_only_for_the_stacks_nats_and_pg_dsn_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PG_DSN", raising=False)
+    monkeypatch.setenv("COORDINATOR_HOME", str(tmp_path))
+    stack_nats = "nats://127.0.0.1:4999"
+    assert find_pg_dsn(stack_nats) is None  # no stack recorded
+    path = tmp_path / "stack.json"
+    running = StackRecord(nats_url=stack_nats, pg_dsn="postgresql://stack/db", pid=os.getpid())
+    stackfile.write(path, running)
+    assert find_pg_dsn(stack_nats) == "postgresql://stack/db"
+    # Beside another NATS (NATS_URL names one), the stack's PostgreSQL is not that fleet's.
+    assert find_pg_dsn("nats://elsewhere:4222") is None
+    stackfile.write(path, StackRecord(nats_url=stack_nats, pg_dsn="", pid=os.getpid()))
+    assert find_pg_dsn(stack_nats) is None  # a record from before it started PostgreSQL
+    stackfile.write(path, StackRecord(nats_url=stack_nats, pg_dsn="postgresql://x", pid=gone_pid()))
+    assert find_pg_dsn(stack_nats) is None  # killed: its addresses serve nothing
+    monkeypatch.setenv("PG_DSN", "postgresql://mine/db")
+    stackfile.write(path, running)
+    assert find_pg_dsn(stack_nats) == "postgresql://mine/db"  # PG_DSN comes first
