@@ -26,12 +26,12 @@ from schemas.events import TaskCompleted, TaskFailed, TaskRouted, TaskSubmitted,
 from schemas.route import RouteReply, RouteRequest
 from schemas.subjects import task_event
 from schemas.tasks import is_retryable
-from services.fleet.binding import Supports
+from services.fleet.binding import Supports, refusal
 from services.router.ending import wait_for_end
 from services.router.peers import Peers
 from services.router.records import ended_reply, latest_outcome
 from services.router.waiting import Waiter, let_go
-from services.runtime.outcomes import last_on, stored_ends
+from services.runtime.outcomes import Sourced, last_on, routing_of, stored_ends
 
 log = structlog.get_logger("router")
 
@@ -144,12 +144,43 @@ class Follower:
     async def _ended(
         self, task_id: str, waiter: Waiter, leader: bool
     ) -> TaskCompleted | TaskFailed | None:
-        """The outcome the stream holds that ``waiter`` would take, if any."""
+        """The outcome the stream holds that ``waiter`` would take, if any: its attempt's, or
+        an earlier attempt's end that a move raced (`earlier_end`)."""
+        stored_now = await stored_ends(self.js, task_id, leader=leader)
         ends = [
             event
-            for event, source in await stored_ends(self.js, task_id, leader=leader)
+            for event, source in stored_now
             if isinstance(event, TaskCompleted | TaskFailed)
             and event.attempt >= waiter.attempt
             and waiter.refusal(event, source) is None
         ]
-        return latest_outcome(ends)
+        return latest_outcome(ends) or await self.earlier_end(task_id, waiter, stored_now)
+
+    async def earlier_end(
+        self, task_id: str, waiter: Waiter, ends: list[Sourced]
+    ) -> TaskCompleted | TaskFailed | None:
+        """An end of an attempt before the latest routed one, recorded by where that attempt
+        was routed: the server stores a worker's outcome only while its attempt's ``routed``
+        is the latest (`services.runtime.outcomes.attempt_fence`), so a stored one means the
+        move that followed raced the task's end and went no further (no new attempt was
+        queued). The same rule as a waiter's for an attempt it saw routed
+        (`services.router.waiting.Waiter.stored`); a retryable failure is what the move was
+        for, not an end."""
+        for event, source in ends:
+            if not isinstance(event, TaskCompleted | TaskFailed) or event.attempt >= waiter.attempt:
+                continue
+            if isinstance(event, TaskFailed) and event.retryable:
+                continue
+            routing = await routing_of(self.js, task_id, event.attempt)
+            if routing is None:
+                continue
+            where = (routing.attempt, routing.worker)
+            if refusal(event, source, where, self.supports) is None:
+                log.info(
+                    "asked again for a task whose move raced its end; answered by that end",
+                    task_id=task_id,
+                    attempt=event.attempt,
+                    latest_attempt=waiter.attempt,
+                )
+                return event
+        return None

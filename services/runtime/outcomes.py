@@ -188,6 +188,29 @@ async def stored_outcome(
     return outcome_among(await stored_ends(js, task_id, leader=leader), attempt, accepted)
 
 
+async def routing_of(js: JetStreamContext, task_id: str, attempt: int) -> TaskRouted | None:
+    """The stored ``routed`` of this attempt of the task (its last, if it was stored more than
+    once), read from the stream's leader in order through the task's ``routed`` subject; None
+    when the log holds none. A few reads: a task is routed once per attempt, and this is asked
+    only for an earlier attempt's end (`services.router.following`)."""
+    subject = task_event(task_id, "routed")
+    found: TaskRouted | None = None
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(EVENTS_STREAM, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            return found
+        event = task_event_decoder.decode(msg.data or b"")
+        if isinstance(event, TaskRouted) and event.attempt == attempt:
+            found = event
+        elif isinstance(event, TaskRouted) and event.attempt > attempt:
+            return found
+        if msg.seq is None:
+            return found
+        seq = msg.seq + 1
+
+
 async def current_attempt(js: JetStreamContext, task_id: str) -> int | None:
     """The attempt the task's latest ``routed`` names: the only one that may still run.
 

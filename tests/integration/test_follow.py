@@ -19,7 +19,15 @@ from nats.js.api import StreamInfo
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
-from schemas.events import Durations, TaskCompleted, TaskRouted, TaskStarted, TaskSubmitted
+from schemas.events import (
+    Durations,
+    TaskCompleted,
+    TaskEvent,
+    TaskFailed,
+    TaskRouted,
+    TaskStarted,
+    TaskSubmitted,
+)
 from schemas.route import RouteReply
 from schemas.work import Work
 from services.runtime import outcomes
@@ -273,6 +281,95 @@ async def test_a_task_a_lagging_copy_of_the_log_misses_is_followed_not_refused(
     )
 
     assert (body["status"], body["task_id"], body["response"]) == ("done", task_id, "2")
+
+
+def completed_by(worker: str, task_id: str, attempt: int = 1) -> TaskCompleted:
+    return TaskCompleted(
+        at=time.time(),
+        task_id=task_id,
+        attempt=attempt,
+        worker=worker,
+        model=MODEL,
+        response="2",
+        durations=Durations(total_ms=1),
+    )
+
+
+async def ran_then_moved(js: JetStreamContext, task_id: str, end: tuple[TaskEvent, str]) -> None:
+    """A task routed to cpu-1, which ran it and stored ``end`` (event, recorded by), then
+    routed again as attempt 2 by the reaper (a move that raced the end: no attempt 2 runs)."""
+    await ensure_streams(js, worker_ttl_s=3.0)
+    now = time.time()
+    submitted = TaskSubmitted(
+        at=now, task_id=task_id, model=MODEL, timeout_s=60, work=Work(prompt="1+1")
+    )
+    first = TaskRouted(at=now, task_id=task_id, attempt=1, worker="cpu-1", queue="tasks.cpu.cpu-1")
+    started = TaskStarted(at=now, task_id=task_id, attempt=1, worker="cpu-1", host="h")
+    moved = TaskRouted(
+        at=now, task_id=task_id, attempt=2, worker="shared", queue="tasks.cpu.shared"
+    )
+    for event, by in ((submitted, None), (first, None), (started, "cpu-1"), end, (moved, None)):
+        await publish_event(js, event, by=by)
+
+
+async def ask_again(nc: Client, task_id: str, *, wait: bool) -> dict[str, Any]:
+    ask = {"prompt": "1+1", "model": MODEL, "wait": wait, "task_id": task_id}
+    body, _ = await request(nc, "coordinator.route", ask, timeout_s=10)
+    return body
+
+
+async def test_asking_again_for_a_task_whose_move_raced_its_end_is_answered_by_that_end(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    """The worker's completion was stored, then the reaper's move (it had judged the worker
+    lost a moment before) was stored too; the move went no further, so attempt 2 never ends.
+    A client asking again gets attempt 1's answer, instead of waiting for attempt 2's."""
+    task_id = new_task_id()
+    await ran_then_moved(nc.jetstream(), task_id, (completed_by("cpu-1", task_id), "cpu-1"))
+    runner.router(nats_server.url)
+    await eventually(lambda: _router_ready(nc), timeout_s=10)
+
+    body = await ask_again(nc, task_id, wait=True)
+
+    assert (body["status"], body["response"], body["worker"]) == ("done", "2", "cpu-1")
+
+
+@pytest.mark.parametrize(
+    "end",
+    [
+        # what the move was for: a failure another worker may do better
+        "retryable_failure",
+        # recorded by a worker the attempt was never routed to
+        "completed_elsewhere",
+    ],
+)
+async def test_an_earlier_attempts_end_that_does_not_end_the_task_is_not_the_answer(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner, end: str
+) -> None:
+    task_id = new_task_id()
+    stored: tuple[TaskEvent, str] = (
+        (
+            TaskFailed(
+                at=time.time(),
+                task_id=task_id,
+                attempt=1,
+                worker="cpu-1",
+                code="backend_error",
+                reason="HTTP 500",
+                retryable=True,
+            ),
+            "cpu-1",
+        )
+        if end == "retryable_failure"
+        else (completed_by("cpu-2", task_id), "cpu-2")
+    )
+    await ran_then_moved(nc.jetstream(), task_id, stored)
+    runner.router(nats_server.url)
+    await eventually(lambda: _router_ready(nc), timeout_s=10)
+
+    body = await ask_again(nc, task_id, wait=False)
+
+    assert (body["status"], body["queue"]) == ("queued", "tasks.cpu.shared")
 
 
 async def _router_ready(nc: Client) -> bool:
