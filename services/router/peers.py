@@ -3,7 +3,9 @@
 Any number of routers serve one fleet, and a request reaches whichever of them the queue
 group picks. Most of what a router needs is on the bus (the registry, the figures, the event
 log), but two things live only in the router that took a route request: the reply subject
-its client waits on, and a task it is submitting that the log does not show yet. A cancel
+its client waits on, and a task it is submitting that the log does not show yet (held from
+the moment its request arrives: reading the log and storing the task may each wait out a
+leader election, and another router asked meanwhile must not refuse it). A cancel
 naming that reply subject, or a request asking again for a task another router already
 answers, may reach another router; that router asks here. Every router listens (no queue
 group), and only the one that holds the request or task answers, so the question costs one
@@ -12,8 +14,9 @@ message per router and the answer one; no answer within `ANSWER_S` means nobody 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import suppress
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
 from typing import Final
 
 import msgspec
@@ -51,6 +54,11 @@ class Peers:
         self.waiters = waiters
         self.waiting_on = waiting_on
         self._sub: Subscription | None = None
+        # Requests naming a task, from their arrival to their answer (`arrived`), and this
+        # router's own questions about a task in flight (`holder_of`): a request that asks is
+        # not the holder it asks about.
+        self._arrived: Counter[str] = Counter()
+        self._asking: Counter[str] = Counter()
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(ROUTER_HOLDS, cb=self._on_query)
@@ -60,12 +68,27 @@ class Peers:
             with suppress(Exception):
                 await self._sub.unsubscribe()
 
+    @contextmanager
+    def arrived(self, task_id: str | None) -> Iterator[None]:
+        """While a request naming ``task_id`` is handled here, this router holds the task."""
+        if task_id is None:
+            yield
+            return
+        self._arrived[task_id] += 1
+        try:
+            yield
+        finally:
+            _drop(self._arrived, task_id)
+
     def held(self, query: HoldsQuery) -> str | None:
-        """The task ``query`` asks about, when this router holds it."""
+        """The task ``query`` asks about, when this router holds it: it waits on the reply
+        subject, or submits the task, or handles a request naming it other than the ones
+        asking (`holder_of`)."""
         if query.reply_to:
             return self.waiting_on.get(query.reply_to)
-        if query.task_id and query.task_id in self.waiters:
-            return query.task_id
+        task_id = query.task_id
+        if task_id and (task_id in self.waiters or self._arrived[task_id] > self._asking[task_id]):
+            return task_id
         return None
 
     async def _on_query(self, msg: Msg) -> None:
@@ -85,10 +108,12 @@ class Peers:
         """The task id the router that holds this reply subject's request (or this task)
         says, or None when no router says so within `ANSWER_S` (this one included)."""
         query = HoldsQuery(task_id=task_id, reply_to=reply_to)
-        local = self.held(query)
-        if local is not None:
-            return local
+        if task_id is not None:
+            self._asking[task_id] += 1  # this router answers its own question too
         try:
+            local = self.held(query)
+            if local is not None:
+                return local
             reply = await self.nc.request(ROUTER_HOLDS, _encoder.encode(query), timeout=ANSWER_S)
             return _reply_decoder.decode(reply.data).task_id
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError, msgspec.DecodeError):
@@ -96,3 +121,12 @@ class Peers:
         except Exception as exc:  # the bus is away: nobody can be asked
             log.warning("could not ask the other routers", error=repr(exc))
             return None
+        finally:
+            if task_id is not None:
+                _drop(self._asking, task_id)
+
+
+def _drop(counts: Counter[str], key: str) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]

@@ -282,6 +282,10 @@ class Router:
             max_payload=self.nc.max_payload,
             resolve=self.resolve_model,
         )
+        with self.peers.arrived(admitted.routed.task_id):
+            return await self._handle_route(admitted)
+
+    async def _handle_route(self, admitted: Admitted) -> bytes | None:
         if admitted.routed.task_id is not None:
             followed = await self._follow(admitted.routed, admitted.routed.task_id)
             if not isinstance(followed, Unsubmitted):
@@ -325,12 +329,17 @@ class Router:
         runs. Held elsewhere: silent (None), the client asks again; in the log, read from the
         stream's leader: answered as that task. `UNSUBMITTED`: refuse. Asked only for a model
         some registered worker serves (its workers silent, not an unknown model): the peers'
-        silence costs up to a second."""
+        silence costs up to a second. Asked too when no worker is registered at all: the
+        registry's entries expire while its leader is elected, and the fleet's workers with
+        them."""
         task_id = request.task_id
-        if task_id is None or not any(
-            request.model in record.models
+        registered = [
+            record
             for group in (self.view.workers.values(), self.view.sleepers.values())
             for record in group
+        ]
+        if task_id is None or (
+            registered and not any(request.model in record.models for record in registered)
         ):
             return UNSUBMITTED
         if await self.peers.holder_of(task_id=task_id) == task_id:

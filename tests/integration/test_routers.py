@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import msgspec
+import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -19,7 +20,9 @@ from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.route import CHUNK_HEADER, HoldsQuery, HoldsReply, RouteReply
 from schemas.subjects import ROUTE, ROUTER_HOLDS
+from services.router.peers import Peers
 from services.router.waiting import ANSWERED_HOLD_S
+from services.runtime.bus import flush_written
 from services.runtime.request import new_task_id
 from tests.harness import (
     COORDINATOR,
@@ -301,6 +304,40 @@ async def test_a_router_started_while_tasks_run_counts_them_as_the_other_does(
         body, _ = await request(nc, "coordinator.workers", {}, timeout_s=5)
         [worker] = body["workers"]
         assert worker.get("queue_depth", 0) == 2, body
+
+
+async def test_a_task_is_held_from_its_requests_arrival_and_asked_about_with_no_worker_at_all(
+    nats_server: NatsServer, nc: Client, processes: Processes
+) -> None:
+    """The same, where the registry holds no worker at all (its entries expired while its
+    leader was elected) and the router asked first has stored nothing yet (its reads of the
+    log wait out an election too): it holds the task from the moment the request arrived.
+    The other router here is the real `Peers` on a connection of its own, handling a request
+    for the task; the router under test answers its own question too, and must not take its
+    own request for the holder."""
+    router = start_router(processes, nats_server)
+    await router.wait_for("router ready")
+    other_nc = await nats.connect(nats_server.url)
+    other = Peers(other_nc, {}, {})
+    await other.start()
+    await flush_written(other_nc)
+    held = new_task_id()
+    inbox = nc.new_inbox()
+    replies = await nc.subscribe(inbox)
+    request = msgspec.json.encode({"prompt": "1+1", "model": MODEL, "wait": True, "task_id": held})
+    try:
+        with other.arrived(held):
+            await nc.publish(ROUTE, request, reply=inbox)
+            with pytest.raises(TimeoutError):
+                await replies.next_msg(timeout=3.0)
+            assert handled(router, "asked again; another router holds the task", held)
+        # Its request answered elsewhere, the other router holds nothing: refused as ever.
+        await nc.publish(ROUTE, request, reply=inbox)
+        refusal = await replies.next_msg(timeout=5.0)
+        assert b"no_worker" in refusal.data
+    finally:
+        await other.stop()
+        await other_nc.close()
 
 
 async def test_a_router_with_no_worker_for_a_task_another_router_holds_stays_silent(
