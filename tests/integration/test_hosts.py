@@ -1,6 +1,6 @@
 """The test hosts themselves: a run killed before its clean-up must not break the next one.
 
-A run killed mid-test (a CI job cancelled, a session ended) leaves its namespaces and links
+A run killed mid-test (a CI job cancelled, a terminal closed) leaves its namespaces and links
 behind; a stale link holding a host's address takes that address's traffic, and every later
 run's host is unreachable ("nothing listens on 10.231.1.2"). The next run removes them first.
 """
