@@ -14,8 +14,9 @@ import asyncio
 import dataclasses
 import ssl
 import sys
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import nats
 import nats.errors
@@ -30,7 +31,13 @@ from nats.js.api import (
     StreamConfig,
     StreamInfo,
 )
-from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 
 from schemas.events import AnyEvent, encoder, subject_for
@@ -49,6 +56,8 @@ from services.runtime.settings import DEFAULT_WORKER_TTL_S, NatsAuth, Settings, 
 from services.runtime.tracing import inject_context
 
 log = structlog.get_logger("bus")
+
+T = TypeVar("T")
 
 # A retried publish of the same task attempt within this window is stored once.
 # The message limit every shipped nats-server configuration sets (deploy/nats, the embedded
@@ -298,19 +307,22 @@ def _norm(value: Any) -> Any:
 _JETSTREAM_SILENT: Final = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
+    NoStreamResponseError,  # a write to a stream without a leader
     ServiceUnavailableError,
 )
 
 
-async def _stream_info(js: JetStreamContext, name: str) -> StreamInfo:
-    """The stream's info. A service waits while JetStream does not answer, as it waits for NATS
-    at start, until it is stopped: leaving would need a supervisor to start it again, and a
-    fleet's elections last seconds. A one-shot command (no stop event) asks once."""
+async def answered(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """``call()``, asked again while JetStream does not answer it (`_JETSTREAM_SILENT`). A
+    service waits so at start, as it waits for NATS, until it is stopped: leaving would need a
+    supervisor to start it again, and a fleet's elections last seconds. A one-shot command (no
+    stop event) asks once. ``call`` must be safe to repeat (a write whose answer was lost is
+    found stored the next time)."""
     stop = current_stop()
     attempt = 0
     while True:
         try:
-            return await js.stream_info(name)
+            return await call()
         except _JETSTREAM_SILENT as exc:
             if stop is None:
                 raise
@@ -318,7 +330,7 @@ async def _stream_info(js: JetStreamContext, name: str) -> StreamInfo:
             retry_in_s = min(FIRST_CONNECT_RETRY_S * 2 ** (attempt - 1), FIRST_CONNECT_RETRY_MAX_S)
             log.warning(
                 "JetStream does not answer; asking again",
-                stream=name,
+                what=what,
                 error=repr(exc),
                 attempt=attempt,
                 retry_in_s=retry_in_s,
@@ -326,7 +338,12 @@ async def _stream_info(js: JetStreamContext, name: str) -> StreamInfo:
         with suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), retry_in_s)
         if stop.is_set():
-            raise StopRequested(f"stopped before JetStream answered about stream {name}")
+            raise StopRequested(f"stopped before JetStream answered ({what})")
+
+
+async def _stream_info(js: JetStreamContext, name: str) -> StreamInfo:
+    """The stream's info (`answered`)."""
+    return await answered(lambda: js.stream_info(name), f"stream {name}")
 
 
 async def _add_or_update(

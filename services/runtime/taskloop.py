@@ -58,7 +58,7 @@ from schemas.tasks import task_decoder
 from schemas.workers import WorkerRecord
 from services import __version__
 from services.runtime.acks import ACK, NAK, STOP_SETTLE_S, recover_lost_delivery, settle
-from services.runtime.bus import ensure_streams, flush_written, publish_event
+from services.runtime.bus import answered, ensure_streams, flush_written, publish_event
 from services.runtime.consumers import Queue, bind
 from services.runtime.errors import LeaseLost
 from services.runtime.lease import Lease, deregister
@@ -152,7 +152,9 @@ class TaskLoop:
         # on the backend (sanity runs). Until they pass, the entry lists no model, so nothing
         # is routed here; then it is renewed at once with them.
         self.lease = Lease(self.runner.registry, s.worker_id, s.worker_ttl_s, self.record)
-        await self.lease.acquire()
+        # Its bucket may still be electing a leader: taking the key again is safe (a create
+        # whose answer was lost is found to be this process's own).
+        await answered(self.lease.acquire, f"the lease of worker '{s.worker_id}'")
         try:
             await self.kind.prepare(stop)
             await self.lease.renew()
