@@ -134,6 +134,9 @@ async def test_a_killed_workers_lease_frees_itself_after_its_ttl(
     second = processes.start([COORDINATOR, "worker"], env)
 
     async def taken_over() -> bool:
+        if second.poll() is not None:  # it will never take over: say why it ended
+            assert second.stderr is not None
+            raise AssertionError(f"the second worker exited: {second.stderr.read()[-2000:]}")
         records = await registry(nc)
         return "cpu-1" in records and records["cpu-1"].pid == second.pid
 
