@@ -128,7 +128,14 @@ async def test_a_killed_workers_lease_frees_itself_after_its_ttl(
     assert "cpu-1" in await registry(nc)  # nobody said goodbye
 
     async def freed() -> bool:
-        return "cpu-1" not in await registry(nc)
+        # The key itself, not a listing: a listing came back without the first worker's entry
+        # while it still held (1 run in 8), and the second worker was rightly refused.
+        kv = await nc.jetstream().key_value("workers")
+        try:
+            await kv.get("cpu-1")
+        except KeyNotFoundError:
+            return True
+        return False
 
     await eventually(freed, timeout_s=10)  # the bucket's TTL (WORKER_TTL_S) removed it
     second = processes.start([COORDINATOR, "worker"], env)
@@ -136,7 +143,10 @@ async def test_a_killed_workers_lease_frees_itself_after_its_ttl(
     async def taken_over() -> bool:
         if second.poll() is not None:  # it will never take over: say why it ended
             assert second.stderr is not None
-            raise AssertionError(f"the second worker exited: {second.stderr.read()[-2000:]}")
+            raise AssertionError(
+                f"the second worker (pid {second.pid}; the first {first.pid}) exited: "
+                f"{second.stderr.read()[-2000:]}"
+            )
         records = await registry(nc)
         return "cpu-1" in records and records["cpu-1"].pid == second.pid
 
