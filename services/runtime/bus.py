@@ -143,7 +143,7 @@ async def connect(
                     f"NATS at {where} refused this service's credentials ({exc}): check "
                     "NATS_USER/NATS_PASSWORD, NATS_TOKEN or NATS_CREDS"
                 ) from exc.__cause__
-            retry_in_s = min(FIRST_CONNECT_RETRY_S * 2 ** (attempt - 1), FIRST_CONNECT_RETRY_MAX_S)
+            retry_in_s = _retry_in_s(attempt)
             log.warning(
                 "cannot reach NATS; trying again",
                 url=where,
@@ -155,6 +155,11 @@ async def connect(
         with suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), retry_in_s)
     raise StopRequested(f"stopped before NATS at {where} answered")
+
+
+def _retry_in_s(attempt: int) -> float:
+    """How long a service waits before its ``attempt``-th try again (NATS, JetStream)."""
+    return float(min(FIRST_CONNECT_RETRY_S * 2.0 ** (attempt - 1), FIRST_CONNECT_RETRY_MAX_S))
 
 
 class _Unreached(Exception):
@@ -327,7 +332,7 @@ async def answered(call: Callable[[], Awaitable[T]], what: str) -> T:
             if stop is None:
                 raise
             attempt += 1
-            retry_in_s = min(FIRST_CONNECT_RETRY_S * 2 ** (attempt - 1), FIRST_CONNECT_RETRY_MAX_S)
+            retry_in_s = _retry_in_s(attempt)
             log.warning(
                 "JetStream does not answer; asking again",
                 what=what,
