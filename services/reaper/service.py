@@ -42,7 +42,13 @@ from services.reaper.detectors import Snapshot, Thresholds, detect
 from services.reaper.feeds import Feeds
 from services.reaper.handling import FindingHandler
 from services.reaper.view import ReaperView
-from services.runtime.bus import connect, ensure_bucket, ensure_streams, flush_written
+from services.runtime.bus import (
+    connect,
+    ensure_bucket,
+    ensure_streams,
+    flush_written,
+    started,
+)
 from services.runtime.endpoints import add_endpoint
 from services.runtime.leadership import Leadership
 from services.runtime.lifecycle import TaskSet, close_bus, stop_within
@@ -186,10 +192,11 @@ class Reaper:
 async def run(settings: ReaperSettings, stop: asyncio.Event) -> None:
     """Run the reaper until ``stop`` is set."""
     nc = await connect(settings.nats_url, "coordinator-reaper", auth=settings.nats_auth())
-    reaper = Reaper(nc, settings)
+    reaper: Reaper | None = None
     try:
-        await reaper.start()
+        reaper = await started(lambda: Reaper(nc, settings), "the reaper's start")
         await reaper.run(stop)
     finally:
-        await reaper.stop()
+        if reaper is not None:
+            await reaper.stop()
         await close_bus(nc)

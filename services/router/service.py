@@ -68,7 +68,13 @@ from services.router.view import FleetView
 from services.router.waiting import Waiter
 from services.router.waking import Waker
 from services.runtime.aliases import AliasFollower
-from services.runtime.bus import connect, ensure_bucket, ensure_streams, flush_written
+from services.runtime.bus import (
+    connect,
+    ensure_bucket,
+    ensure_streams,
+    flush_written,
+    started,
+)
 from services.runtime.endpoints import add_endpoint, reply_subject
 from services.runtime.errors import (
     NoWorker,
@@ -397,10 +403,11 @@ class Router:
 async def run(settings: RouterSettings, stop: asyncio.Event) -> None:
     """Run the router until ``stop`` is set."""
     nc = await connect(settings.nats_url, "coordinator-router", auth=settings.nats_auth())
-    router = Router(nc, settings)
+    router: Router | None = None
     try:
-        await router.start()
+        router = await started(lambda: Router(nc, settings), "the router's start")
         await stop.wait()
     finally:
-        await router.stop()
+        if router is not None:
+            await router.stop()
         await close_bus(nc)

@@ -27,6 +27,7 @@ from nats.js.api import ConsumerConfig
 from schemas.events import ALIAS_EVENTS, AliasRemoved, AliasSet, any_event_decoder
 from schemas.subjects import EVENTS_STREAM
 from services.fleet.aliases import resolve
+from services.runtime.bus import answered
 
 log = structlog.get_logger("aliases")
 
@@ -45,7 +46,11 @@ class AliasFollower:
         return resolve(self.aliases, name) if self.aliases else name
 
     async def start(self, timeout_s: float = 10.0) -> None:
-        """Replay every alias event, then keep following; returns once caught up."""
+        """Replay every alias event, then keep following; returns once caught up. Asked again
+        while JetStream does not answer (`answered`)."""
+        await answered(lambda: self._replay(timeout_s), "the alias events")
+
+    async def _replay(self, timeout_s: float) -> None:
         self._sub = await self.js.subscribe(
             ALIAS_EVENTS,
             stream=EVENTS_STREAM,
@@ -56,15 +61,20 @@ class AliasFollower:
         rename_on_reset(self._sub, "aliases")
         deadline = asyncio.get_running_loop().time() + timeout_s
         sub = self._sub
-        while (await sub.consumer_info()).num_pending or sub.pending_msgs:
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError("alias events did not replay in time")
-            await asyncio.sleep(0.02)
+        try:
+            while (await sub.consumer_info()).num_pending or sub.pending_msgs:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError("alias events did not replay in time")
+                await asyncio.sleep(0.02)
+        except BaseException:
+            await self.stop()  # a start asked again begins afresh
+            raise
 
     async def stop(self) -> None:
-        if self._sub is not None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
             with suppress(Exception):
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
 
     async def _on_msg(self, msg: Msg) -> None:
         try:

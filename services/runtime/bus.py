@@ -16,7 +16,7 @@ import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import nats
 import nats.errors
@@ -344,6 +344,32 @@ async def answered(call: Callable[[], Awaitable[T]], what: str) -> T:
             await asyncio.wait_for(stop.wait(), retry_in_s)
         if stop.is_set():
             raise StopRequested(f"stopped before JetStream answered ({what})")
+
+
+class Startable(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=Startable)
+
+
+async def started(make: Callable[[], S], what: str) -> S:
+    """A service made by ``make()`` and started. A start that fails is stopped; while one
+    fails for JetStream not answering, a fresh service is made and started again (`answered`),
+    so that no step of a start fails a service for a supervisor to restart."""
+
+    async def once() -> S:
+        service = make()
+        try:
+            await service.start()
+        except BaseException:
+            await service.stop()  # bounded, never raising
+            raise
+        return service
+
+    return await answered(once, what)
 
 
 async def _stream_info(js: JetStreamContext, name: str) -> StreamInfo:

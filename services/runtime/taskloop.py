@@ -44,6 +44,7 @@ import time
 import uuid
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 import structlog
@@ -157,7 +158,7 @@ class TaskLoop:
         await answered(self.lease.acquire, f"the lease of worker '{s.worker_id}'")
         try:
             await self.kind.prepare(stop)
-            await self.lease.renew()
+            await answered(self.lease.renew, f"the lease of worker '{s.worker_id}'")
         except BaseException:
             await self.lease.release()  # never registered: nothing to record
             raise
@@ -166,18 +167,28 @@ class TaskLoop:
         # Before the first task can arrive, so no cancel for a task taken here is missed.
         self._cancel_sub = await self.nc.subscribe(CANCEL_NOTICES, cb=self.runner.on_cancel)
         queues = self.kind.queues()
-        sources = [Source(queue, await bind(self.js, queue, s.ack_wait_s)) for queue in queues]
-        await publish_event(
-            self.js,
-            WorkerRegistered(
-                at=time.time(),
-                worker_id=s.worker_id,
-                host=s.host,
-                instance_id=self.instance_id,
-                models=self.kind.models,
-                supports=list(self.kind.supports),
-                version=__version__,
-            ),
+        sources = [
+            Source(
+                queue,
+                await answered(
+                    partial(bind, self.js, queue, s.ack_wait_s), f"the consumer {queue.consumer}"
+                ),
+            )
+            for queue in queues
+        ]
+        registered = WorkerRegistered(
+            at=time.time(),
+            worker_id=s.worker_id,
+            host=s.host,
+            instance_id=self.instance_id,
+            models=self.kind.models,
+            supports=list(self.kind.supports),
+            version=__version__,
+        )
+        # Stored once, however often it is asked (its id within the duplicate window).
+        await answered(
+            lambda: publish_event(self.js, registered, msg_id=f"registered.{self.instance_id}"),
+            "the worker's registration",
         )
         await flush_written(self.nc)  # the cancel notices' subscription is in place
         log.info(

@@ -41,7 +41,13 @@ from schemas.subjects import (
     STATS_ROLE,
 )
 from services import __version__
-from services.runtime.bus import connect, ensure_bucket, ensure_streams, flush_written
+from services.runtime.bus import (
+    connect,
+    ensure_bucket,
+    ensure_streams,
+    flush_written,
+    started,
+)
 from services.runtime.endpoints import Handler, add_endpoint, serve_subject
 from services.runtime.errors import Unavailable
 from services.runtime.leadership import Leadership
@@ -219,12 +225,15 @@ async def run(settings: StatsSettings, stop: asyncio.Event) -> None:
     try:
         await store.apply_schema()
         nc = await connect(settings.nats_url, SERVICE_NAME, auth=settings.nats_auth())
-        service = StatsService(nc, store, settings)
+        service: StatsService | None = None
         try:
-            await service.start()
+            service = await started(
+                lambda: StatsService(nc, store, settings), "the stats service's start"
+            )
             await service.run(stop)
         finally:
-            await service.stop()
+            if service is not None:
+                await service.stop()
             await close_bus(nc)
     finally:
         # The pool's connections in use get 2 s, then are terminated (within the step's time).

@@ -317,7 +317,8 @@ async def test_a_service_started_while_jetstream_cannot_answer_waits_for_it(
 ) -> None:
     """Two of three nodes down: the last one has no quorum, and JetStream answers nothing. A
     worker started then (as after a machine's reboot while its peers come back) waits, saying
-    why, instead of exiting for a supervisor to retry; and a stop still ends it at once."""
+    why, instead of exiting for a supervisor to retry, and is ready once the nodes are back;
+    a stop then ends it as usual."""
     await setup_streams(
         cluster.url, worker_ttl_s=3.0, events_max_age_s=0.0, auth=auth("operator"), replicas=3
     )
@@ -326,12 +327,23 @@ async def test_a_service_started_while_jetstream_cannot_answer_waits_for_it(
     worker_user = nats_user("worker", WORKER)
     env = user_env(cluster.nodes[0].url, worker_user, OLLAMA_HOST=ollama.url, WORKER_ID=WORKER)
     worker = processes.start([COORDINATOR, "worker"], env)
-    await logged(worker, "JetStream does not answer; asking again", timeout_s=30)
-    await logged(worker, "JetStream does not answer; asking again", timeout_s=30)  # still
-    assert worker.poll() is None
+    router = processes.start([COORDINATOR, "router"], user_env(cluster.nodes[0].url, "router"))
+    for service in (worker, router):
+        await logged(service, "JetStream does not answer; asking again", timeout_s=30)
+        await logged(service, "JetStream does not answer; asking again", timeout_s=30)  # still
+    assert worker.poll() is None and router.poll() is None
 
-    worker.send_signal(signal.SIGTERM)
-    assert await asyncio.to_thread(worker.wait, 15) == 0
+    for i in (1, 2):
+        cluster.nodes[i].start()
+    for i in (1, 2):
+        await asyncio.to_thread(cluster.wait_healthy, i, 60.0)
+    await logged(worker, "worker ready", timeout_s=60)
+    await logged(router, "router ready", timeout_s=60)
+
+    for service in (worker, router):
+        service.send_signal(signal.SIGTERM)
+    for service in (worker, router):
+        assert await asyncio.to_thread(service.wait, 30) == 0
 
 
 def doctor_lines(result: subprocess.CompletedProcess[str]) -> dict[str, str]:

@@ -6,11 +6,16 @@ import asyncio
 import time
 from collections.abc import MutableMapping
 from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats
+import nats.errors
+import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import ServiceUnavailableError
 from nats.js.kv import KeyValue
 from structlog.testing import capture_logs
 
@@ -18,7 +23,8 @@ from devtools.servers import NatsServer
 from schemas.events import Durations, TaskCompleted, TaskFailed, TaskStarted
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM, WORKERS_BUCKET
 from services.fleet.settling import SettlingTracker
-from services.runtime.bus import ensure_bucket, ensure_streams, publish_event
+from services.runtime.bus import ensure_bucket, ensure_streams, publish_event, started
+from services.runtime.lifecycle import install_stop_signals
 from services.runtime.outcomes import (
     KeepAlive,
     Sourced,
@@ -196,3 +202,68 @@ async def _silenced(watch: asyncio.Task[None]) -> None:
     watch.cancel()
     with suppress(asyncio.CancelledError):
         await watch
+
+
+class _JetStreamStart:
+    """A service whose start asks JetStream, as every service's does."""
+
+    def __init__(self, nc: Client, made: list[_JetStreamStart]) -> None:
+        self.js = nc.jetstream()
+        self.stopped = False
+        made.append(self)
+
+    async def start(self) -> None:
+        await self.js.account_info()
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+async def test_a_start_that_finds_jetstream_silent_is_made_afresh_until_it_answers(
+    tmp_path: Path,
+) -> None:
+    """A server without JetStream has no responders for its API (as a node with no quorum has
+    no answer): each try is stopped, and a fresh service is started once JetStream is up."""
+    plain = tmp_path / "plain.conf"
+    plain.write_text("max_payload: 1048576\n")  # no jetstream block
+    without = NatsServer(str(tmp_path / "store"), config=str(plain)).start()
+    stop = asyncio.Event()
+    install_stop_signals(stop)  # a service, not a one-shot command: it waits
+    nc = await nats.connect(without.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    made: list[_JetStreamStart] = []
+    try:
+        starting = asyncio.create_task(started(lambda: _JetStreamStart(nc, made), "a start"))
+
+        async def asked_again() -> bool:
+            return len(made) >= 2
+
+        await eventually(asked_again, timeout_s=10)
+        assert not starting.done()
+        without.stop()
+        with_js = NatsServer(str(tmp_path / "store"), port=without.port).start()
+        try:
+            service = await asyncio.wait_for(starting, 30)
+            assert service is made[-1] and not service.stopped
+            assert all(earlier.stopped for earlier in made[:-1])
+        finally:
+            await nc.close()
+            with_js.stop()
+    finally:
+        without.stop()
+
+
+async def test_a_start_is_stopped_when_it_fails_and_a_one_shot_command_asks_once(
+    tmp_path: Path,
+) -> None:
+    plain = tmp_path / "plain.conf"
+    plain.write_text("max_payload: 1048576\n")
+    without = NatsServer(str(tmp_path / "store"), config=str(plain)).start()
+    nc = await nats.connect(without.url)
+    made: list[_JetStreamStart] = []
+    try:
+        with pytest.raises(ServiceUnavailableError):
+            await started(lambda: _JetStreamStart(nc, made), "a start")
+        assert len(made) == 1 and made[0].stopped
+    finally:
+        await nc.close()
+        without.stop()
