@@ -130,6 +130,7 @@ class Stack:
         stats: bool = True,
         log_level: str = "info",
         extra_env: dict[str, str] | None = None,
+        monitor: bool = False,
     ) -> None:
         self.workers = workers
         self.standin = standin
@@ -139,7 +140,12 @@ class Stack:
         self.extra_env = extra_env or {}
         self.procs: list[Proc] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="coord-bench-"))
-        self.nats = NatsServer(str(self.tmp / "nats"))
+        # nats-server's monitoring port (its /connz counts each connection's messages).
+        self.monitor_port = free_port() if monitor else None
+        self.nats = NatsServer(
+            str(self.tmp / "nats"),
+            extra_args=["-m", str(self.monitor_port)] if self.monitor_port else (),
+        )
         self.postgres = Postgres()
         self.dsn = ""
         self.standin_url = ""

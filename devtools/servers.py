@@ -102,7 +102,7 @@ class NatsServer:
             limits = os.path.join(self.store_dir, "limits.conf")
             with open(limits, "w") as f:
                 f.write(f"max_payload: {MAX_PAYLOAD}\n")
-            args = ["-c", limits, "-js", *where, "-sd", self.store_dir]
+            args = ["-c", limits, "-js", *where, "-sd", self.store_dir, *self.extra_args]
         # Its log, read back when it fails to come up.
         self._close_log()
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop)
