@@ -88,6 +88,19 @@ _UNSCORED: Final = (
 )
 
 
+def unreachable(dsn: str, exc: BaseException) -> str:
+    """Why PostgreSQL at ``dsn`` could not be used, as an operator can act on it."""
+    why = f"cannot reach PostgreSQL at {redact_dsn(dsn)}: {exc or type(exc).__name__}"
+    if isinstance(exc, asyncpg.InvalidPasswordError):
+        # The official image sets the password once, when it makes its data directory.
+        why += (
+            " (PostgreSQL keeps the password its data was made with: a POSTGRES_PASSWORD "
+            "changed later applies only to a new volume. Set the old one back, or change it "
+            "in PostgreSQL: ALTER USER ... PASSWORD '...')"
+        )
+    return why
+
+
 class Store:
     """The stats read model: a pool of connections and the projection's writes and reads."""
 
@@ -103,9 +116,7 @@ class Store:
                 dsn, min_size=1, max_size=max_size, command_timeout=command_timeout_s
             )
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-            raise Unavailable(
-                f"cannot reach PostgreSQL at {redact_dsn(dsn)}: {exc or type(exc).__name__}"
-            ) from exc
+            raise Unavailable(unreachable(dsn, exc)) from exc
         return cls(pool, dsn)
 
     async def close(self, timeout_s: float = 10.0) -> None:
