@@ -316,9 +316,9 @@ async def test_a_service_started_while_jetstream_cannot_answer_waits_for_it(
     cluster: NatsCluster, ollama: FakeOllama, processes: Processes
 ) -> None:
     """Two of three nodes down: the last one has no quorum, and JetStream answers nothing. A
-    worker started then (as after a machine's reboot while its peers come back) waits, saying
-    why, instead of exiting for a supervisor to retry, and is ready once the nodes are back;
-    a stop then ends it as usual."""
+    worker and a router started then (as after a machine's reboot while its peers come back)
+    wait, saying why, instead of exiting for a supervisor to retry, and are ready once the
+    nodes are back; a stop then ends them as usual."""
     await setup_streams(
         cluster.url, worker_ttl_s=3.0, events_max_age_s=0.0, auth=auth("operator"), replicas=3
     )

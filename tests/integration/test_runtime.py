@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import MutableMapping
 from contextlib import suppress
@@ -11,7 +12,6 @@ from typing import Any
 
 import msgspec
 import nats
-import nats.errors
 import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -250,6 +250,9 @@ async def test_a_start_that_finds_jetstream_silent_is_made_afresh_until_it_answe
             with_js.stop()
     finally:
         without.stop()
+        # The loop is the session's: the signals are pytest's again.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().remove_signal_handler(sig)
 
 
 async def test_a_start_is_stopped_when_it_fails_and_a_one_shot_command_asks_once(
