@@ -79,11 +79,8 @@ async def run(tasks: int) -> dict[str, Any]:
         await asyncio.sleep(busy_s)
         idle = _minus(await counters(stack.monitor_port), quiet_before)
     per_task = {
-        role: (
-            (busy[role][0] - idle.get(role, (0, 0))[0]) / tasks,
-            (busy[role][1] - idle.get(role, (0, 0))[1]) / tasks,
-        )
-        for role in sorted(busy)
+        role: (sent / tasks, got / tasks)
+        for role, (sent, got) in sorted(_minus(busy, idle).items())
     }
     return {"tasks": tasks, "failed": failed, "seconds": busy_s, "per_task": per_task}
 
