@@ -17,17 +17,44 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Final
 
 import asyncpg
 
 from services.runtime.bus import MAX_PAYLOAD
 
+# Ports for test servers come from below Linux's ephemeral range (32768-60999), where the
+# kernel never puts an outgoing connection's local port: a port asked of the kernel (bind to 0)
+# can be taken, between its socket's close and the server's bind, by any client connecting in
+# another process, such as a second pytest-xdist worker. Each worker has its own block.
+_PORTS_FROM: Final = 20000
+_PORTS_TO: Final = 32768
+_next_port: dict[str, int] = {}
+
+
+def _port_block() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    size = (_PORTS_TO - _PORTS_FROM) // max(workers, 1)
+    start = _PORTS_FROM + int(worker or 0) % max(workers, 1) * size
+    return range(start, start + size)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on, the next of this process's walk through its block."""
+    block = _port_block()
+    key = f"{block.start}:{block.stop}"
+    for _ in range(len(block)):
+        # A process starts at its own place in the block, away from its parent's ports.
+        port = _next_port.get(key, block.start + os.getpid() * 7919 % len(block))
+        _next_port[key] = port + 1 if port + 1 < block.stop else block.start
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address: free for servers on 0.0.0.0 too
+            except OSError:
+                continue  # in use, or a closed connection's TIME_WAIT
+            return port
+    raise RuntimeError(f"no free port in {block.start}-{block.stop - 1}")
 
 
 def nats_server_binary() -> str:
