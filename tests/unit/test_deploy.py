@@ -193,6 +193,14 @@ def test_the_image_is_installed_by_the_same_script_as_ci() -> None:
     found = {name.rstrip("*") for name in packages["packages"]["find"]["include"]}
     assert found <= copied
     assert {"scripts", "pyproject.toml"} <= copied
+    # The dependencies are a layer of their own, made before any code is copied: a change of
+    # code alone does not install them again.
+    lines = [line for line in dockerfile.splitlines() if line.startswith(("COPY ", "RUN "))]
+    deps = lines.index("RUN ./scripts/bootstrap --runtime-deps")
+    assert {line.split()[1] for line in lines[:deps] if line.startswith("COPY ")} == {
+        "pyproject.toml",
+        "scripts/bootstrap",
+    }
     assert compose()["x-coordinator"]["build"]["dockerfile"] == "deploy/Dockerfile"
 
 
