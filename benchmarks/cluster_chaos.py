@@ -99,8 +99,8 @@ from schemas.subjects import EVENTS_STREAM, ROUTE, TASKS_STREAM, WORKERS, WORKER
 from services.cli.cluster import CLIENT_PORT
 from services.cli.permissions import NATS_ROLES, nats_user, password_variable, render_nats_conf
 from services.cli.replication import FLEET_STREAMS, replication_of
+from services.errors import CoordinatorError, NoResponder, Unavailable, WaitTimeout
 from services.runtime.bus import connect
-from services.runtime.errors import CoordinatorError, NoResponder, Unavailable, WaitTimeout
 from services.runtime.request import new_task_id, stream_call
 from services.runtime.settings import NatsAuth
 

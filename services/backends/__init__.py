@@ -12,7 +12,7 @@ from schemas.events import Durations, Tokens
 from schemas.models import ModelFacts
 from schemas.route import DoneReason, ToolCall
 from schemas.work import Work
-from services.runtime.errors import BackendError, BackendServerError
+from services.errors import BackendError, BackendServerError
 
 # Called as output arrives, so a long generation can tell the bus it is still working.
 Progress = Callable[[], Awaitable[None]]

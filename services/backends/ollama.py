@@ -50,7 +50,7 @@ from services.backends.ollama_reply import (
     running_sizes,
 )
 from services.backends.ollama_request import embed_body, generate_body, legacy_embed_body
-from services.runtime.errors import (
+from services.errors import (
     BackendError,
     BackendServerError,
     BackendTimeout,

@@ -17,7 +17,7 @@ from schemas.models import ModelDetails, ModelFacts
 from schemas.route import DoneReason, ToolCall
 from schemas.vectors import pack
 from services.backends import Embedding, Generation
-from services.runtime.errors import BackendError, BackendServerError
+from services.errors import BackendError, BackendServerError
 
 NS_PER_MS = 1_000_000
 

@@ -43,7 +43,7 @@ from services.backends.openai_reply import (
     template_capabilities,
 )
 from services.backends.openai_request import chat_body, embeddings_body
-from services.runtime.errors import (
+from services.errors import (
     BackendError,
     BackendServerError,
     BackendTimeout,

@@ -22,7 +22,7 @@ from schemas.models import COMPLETION, THINKING, TOOLS, VISION, ModelDetails, Mo
 from schemas.route import DoneReason, ToolCall
 from schemas.vectors import pack
 from services.backends import Embedding, Generation
-from services.runtime.errors import BackendError, BackendServerError
+from services.errors import BackendError, BackendServerError
 
 # ``finish_reason`` as `DoneReason`; ``function_call`` is the older name of ``tool_calls``.
 _DONE_REASONS: dict[str, DoneReason] = {

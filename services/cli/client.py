@@ -18,8 +18,8 @@ from nats.aio.client import Client
 from schemas.route import RouteReply, RouteRequest
 from schemas.subjects import ROUTE
 from services.cli import stackfile
+from services.errors import CoordinatorError, Unavailable
 from services.runtime.bus import connect
-from services.runtime.errors import CoordinatorError, Unavailable
 from services.runtime.logging import setup_logging
 from services.runtime.request import REASK_AFTER_S, UNSERVED_FOR_S, new_task_id, stream_call
 

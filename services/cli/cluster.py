@@ -18,7 +18,7 @@ from typing import Final
 
 from services.cli.permissions import render_nats_users
 from services.cli.roles import DEPLOY_DIR
-from services.runtime.errors import ConfigError
+from services.errors import ConfigError
 
 CLUSTER_PORT: Final = 6222
 CLIENT_PORT: Final = 4222

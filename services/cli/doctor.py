@@ -40,8 +40,9 @@ from schemas.subjects import (
     TASKS_SUBJECTS,
     WORKERS_BUCKET,
 )
-from services.cli.doctor_checks import DEFAULT_TTL_S, Check, Gathered, ReadModel, evaluate
+from services.cli.doctor_checks import DEFAULT_TTL_S, Gathered, ReadModel, evaluate
 from services.cli.doctor_cluster import MetaGroup, meta_from_jsz
+from services.cli.doctor_line import Check
 from services.cli.replication import FLEET_STREAMS
 from services.cli.unit_scan import scan_unit_dirs
 from services.runtime.settings import NatsAuth

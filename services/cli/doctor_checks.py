@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final
 
 from nats.js.api import ConsumerInfo, RetentionPolicy, StreamConfig, StreamInfo
 
@@ -32,37 +32,11 @@ from schemas.subjects import (
     worker_of_consumer,
 )
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
+from services.cli.doctor_cluster import MetaGroup, cluster_checks
+from services.cli.doctor_line import Check, ok, problem, verdict
 from services.fleet.liveness import is_fresh, is_live
 
-if TYPE_CHECKING:
-    from services.cli.doctor_cluster import MetaGroup
-
 DEFAULT_TTL_S: Final = 15.0
-
-# "warning": worth a look, but nothing is failing (the exit status stays 0).
-Status = Literal["ok", "problem", "warning", "skipped"]
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: Status
-    detail: str
-
-    def line(self) -> str:
-        return f"{self.status:<8} {self.name:<22} {self.detail}"
-
-
-def _ok(name: str, detail: str) -> Check:
-    return Check(name, "ok", detail)
-
-
-def _problem(name: str, problems: Sequence[str]) -> Check:
-    return Check(name, "problem", "; ".join(problems))
-
-
-def _verdict(name: str, problems: Sequence[str], fine: str) -> Check:
-    return _problem(name, problems) if problems else _ok(name, fine)
 
 
 @dataclass(frozen=True)
@@ -122,10 +96,10 @@ def check_read_model(model: ReadModel, events: StreamInfo | None) -> list[Check]
                 f"{_local_time(model.replaced_at)})"
             )
         if problems:
-            checks.append(_problem("read model", [*problems, REBUILD_ADVICE]))
+            checks.append(problem("read model", [*problems, REBUILD_ADVICE]))
         else:
             checks.append(
-                _ok(
+                ok(
                     "read model",
                     f"{model.handled} events of EVENTS handled, up to #{model.last_seq} of #{last}",
                 )
@@ -206,7 +180,7 @@ def check_streams(found: Mapping[str, StreamInfo | None], unanswered: Sequence[s
     for bucket in (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET):
         if found.get(f"KV_{bucket}") is None and f"KV_{bucket}" not in unanswered:
             problems.append(f"bucket {bucket} is missing (run `coordinator setup`)")
-    return _verdict("streams", problems, ", ".join(summary) + ", buckets present")
+    return verdict("streams", problems, ", ".join(summary) + ", buckets present")
 
 
 def check_consumers(
@@ -233,7 +207,7 @@ def check_consumers(
             problems.append(f"{name} allows {info.config.max_ack_pending} tasks in flight, not 1")
     if not any(c.name == STATS_CONSUMER for c in consumers.get(EVENTS_STREAM, [])):
         problems.append("no 'stats' consumer on EVENTS: the stats service has not run")
-    return _verdict("consumers", problems, f"{len(tasks)} on {TASKS_STREAM}, stats on EVENTS")
+    return verdict("consumers", problems, f"{len(tasks)} on {TASKS_STREAM}, stats on EVENTS")
 
 
 def check_duplicates(consumers: Mapping[str, Sequence[ConsumerInfo]]) -> Check:
@@ -244,7 +218,7 @@ def check_duplicates(consumers: Mapping[str, Sequence[ConsumerInfo]]) -> Check:
         for c in consumers.get(TASKS_STREAM, [])
         if worker_of_consumer(c.name) and (c.num_waiting or 0) > 1
     ]
-    return _verdict("duplicate consumers", problems, "one puller per worker consumer")
+    return verdict("duplicate consumers", problems, "one puller per worker consumer")
 
 
 def check_ghost_queues(
@@ -268,7 +242,7 @@ def check_ghost_queues(
     for subject, count in sorted(task_subjects.items()):
         if count and not any(subject_matches(f, subject) for f in filters):
             problems.append(f"{subject}: {count} task(s) waiting, no consumer takes them")
-    return _verdict("ghost queues", problems, "every waiting task has a live puller")
+    return verdict("ghost queues", problems, "every waiting task has a live puller")
 
 
 def check_registrations(records: Sequence[WorkerRecord], now: float, ttl_s: float) -> Check:
@@ -281,7 +255,7 @@ def check_registrations(records: Sequence[WorkerRecord], now: float, ttl_s: floa
         if not is_fresh(r.heartbeat_at, now, ttl_s)
     ]
     live = sum(1 for r in records if is_live(r, now, ttl_s))
-    return _verdict("stale registrations", problems, f"{live} worker(s) registered and fresh")
+    return verdict("stale registrations", problems, f"{live} worker(s) registered and fresh")
 
 
 def check_backends(records: Sequence[WorkerRecord], now: float, ttl_s: float) -> Check:
@@ -307,7 +281,7 @@ def check_backends(records: Sequence[WorkerRecord], now: float, ttl_s: float) ->
     fine = f"{len(inference) - len(unprobed)} healthy by their own probes"
     if unprobed:
         fine += f"; {', '.join(unprobed)} do not probe their backend (older version)"
-    return _verdict("worker backends", problems, fine)
+    return verdict("worker backends", problems, fine)
 
 
 def check_versions(
@@ -320,8 +294,8 @@ def check_versions(
     for name, _, version in services:
         seen.setdefault(version, []).append(name)
     if len(seen) <= 1:
-        return _ok("version skew", f"all on {next(iter(seen), 'unknown')}")
-    return _problem(
+        return ok("version skew", f"all on {next(iter(seen), 'unknown')}")
+    return problem(
         "version skew",
         [f"{v}: {', '.join(sorted(who))}" for v, who in sorted(seen.items())],
     )
@@ -336,7 +310,7 @@ def check_units(units: Mapping[str, Sequence[str]] | None) -> Check:
         for worker, names in sorted(units.items())
         if len(names) > 1
     ]
-    return _verdict("service units", problems, f"{len(units)} worker unit(s), one per worker")
+    return verdict("service units", problems, f"{len(units)} worker unit(s), one per worker")
 
 
 def evaluate(g: Gathered) -> list[Check]:
@@ -346,14 +320,12 @@ def evaluate(g: Gathered) -> list[Check]:
         return [Check("nats", "problem", g.nats_error or "cannot connect")]
     if g.jetstream is not None:
         return [
-            _ok("nats", f"nats-server {g.server_version}"),
+            ok("nats", f"nats-server {g.server_version}"),
             Check("jetstream", "problem", g.jetstream),
         ]
     cluster = f", cluster {g.cluster}" if g.cluster else ""
-    checks.append(_ok("nats", f"nats-server {g.server_version}, JetStream on{cluster}"))
+    checks.append(ok("nats", f"nats-server {g.server_version}, JetStream on{cluster}"))
     if g.cluster:
-        from services.cli.doctor_cluster import cluster_checks
-
         checks.extend(cluster_checks(g.meta, g.meta_error, g.streams, g.unanswered))
     checks.append(check_streams(g.streams, g.unanswered))
     checks.append(check_consumers(g.consumers, g.records, g.now, g.ttl_s))
@@ -362,7 +334,7 @@ def evaluate(g: Gathered) -> list[Check]:
     elif g.postgres:
         checks.append(Check("postgresql", "problem", g.postgres))
     else:
-        checks.append(_ok("postgresql", g.postgres_detail))
+        checks.append(ok("postgresql", g.postgres_detail))
         if g.read_model is not None:
             checks.extend(check_read_model(g.read_model, g.streams.get(EVENTS_STREAM)))
     checks.append(check_backends(g.records, g.now, g.ttl_s))

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 from nats.js.api import StreamInfo
 
-from services.cli.doctor_checks import Check
+from services.cli.doctor_line import Check, ok, problem
 
 # A follower this many operations behind its leader is lagging, not just between two writes.
 MAX_REPLICA_LAG: Final = 100
@@ -90,29 +90,19 @@ def _peer(raw: Mapping[str, Any]) -> Peer:
     )
 
 
-def _ok(name: str, detail: str) -> Check:
-    return Check(name, "ok", detail)
-
-
-def _problem(name: str, problems: Sequence[str]) -> Check:
-    return Check(name, "problem", "; ".join(problems))
-
-
 def check_peers(meta: MetaGroup | None, meta_error: str) -> Check:
     """Every peer of the meta group online and current."""
     if meta is None:
         return Check("cluster peers", "skipped", meta_error)
     problems = [_peer_problem(p) for p in meta.peers if _peer_problem(p)]
     if meta.leader is None:
-        return _problem("cluster peers", [f"no leader to ask; {len(meta.peers)} peer(s) known"])
+        return problem("cluster peers", [f"no leader to ask; {len(meta.peers)} peer(s) known"])
     if len(meta.peers) < meta.size:
         problems.append(f"{meta.size - len(meta.peers)} of {meta.size} peer(s) unknown")
     if problems:
-        return _problem("cluster peers", problems)
+        return problem("cluster peers", problems)
     names = ", ".join(sorted(p.name for p in meta.peers))
-    return _ok(
-        "cluster peers", f"{len(meta.peers)} of cluster {meta.cluster}: {names}, all current"
-    )
+    return ok("cluster peers", f"{len(meta.peers)} of cluster {meta.cluster}: {names}, all current")
 
 
 def _peer_problem(peer: Peer) -> str:
@@ -129,14 +119,14 @@ def check_meta_leader(meta: MetaGroup | None, meta_error: str) -> Check:
     if meta is None:
         return Check("meta leader", "skipped", meta_error)
     if meta.leader is None:
-        return _problem(
+        return problem(
             "meta leader",
             [
                 "none: fewer than a majority of the cluster's servers are up, and JetStream "
                 "refuses every change until they are"
             ],
         )
-    return _ok("meta leader", meta.leader)
+    return ok("meta leader", meta.leader)
 
 
 def check_stream_replicas(
@@ -174,9 +164,9 @@ def check_stream_replicas(
             elif lag > MAX_REPLICA_LAG:
                 problems.append(f"{name}: replica on {peer.name} lags {lag} operations behind")
     if problems:
-        return _problem("stream replicas", problems)
+        return problem("stream replicas", problems)
     each = ", ".join(str(c) for c in sorted(counts)) or "?"
-    return _ok("stream replicas", f"{len(streams)} streams, {each} replicas each, all current")
+    return ok("stream replicas", f"{len(streams)} streams, {each} replicas each, all current")
 
 
 def cluster_checks(

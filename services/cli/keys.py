@@ -29,6 +29,7 @@ from nats.js.kv import KeyValue
 
 from schemas.subjects import GATEWAY_KEYS_BUCKET, InvalidId
 from services.cli.client import find_nats_url
+from services.errors import Conflict, NotFound, Unavailable
 from services.gateway.keys import (
     PRIORITIES,
     KeyRecord,
@@ -39,7 +40,6 @@ from services.gateway.keys import (
     record_encoder,
 )
 from services.runtime.bus import connect, ensure_bucket
-from services.runtime.errors import Conflict, NotFound, Unavailable
 
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2

@@ -24,8 +24,8 @@ from services import __version__
 from services.cli import deploy, doctor, keys, stats_commands
 from services.cli.client import open_client, route_and_wait, say_asking_again
 from services.cli.stopping import budget_of
+from services.errors import ConfigError, CoordinatorError
 from services.runtime import waitfor
-from services.runtime.errors import ConfigError, CoordinatorError
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.logging import setup_logging
 from services.runtime.request import UNSERVED_FOR_S, call

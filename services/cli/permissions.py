@@ -46,7 +46,7 @@ from schemas.subjects import (
     worker_queue_filter,
 )
 from services.cli.roles import DEPLOY_DIR, PER_WORKER
-from services.runtime.errors import ConfigError
+from services.errors import ConfigError
 
 
 @dataclass

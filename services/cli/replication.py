@@ -36,7 +36,7 @@ from schemas.subjects import (
     TASKS_STREAM,
     WORKERS_BUCKET,
 )
-from services.runtime.errors import ConfigError, Unavailable
+from services.errors import ConfigError, Unavailable
 
 # Every bucket `coordinator setup` makes, and with the two streams every stream the fleet keeps.
 FLEET_BUCKETS: Final = (

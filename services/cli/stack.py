@@ -37,8 +37,8 @@ import structlog
 
 from services.cli import stackfile
 from services.cli.stopping import budget_of
+from services.errors import ConfigError, CoordinatorError
 from services.runtime.bus import MAX_PAYLOAD
-from services.runtime.errors import ConfigError, CoordinatorError
 from services.runtime.lifecycle import install_stop_signals, run_main, run_within
 from services.runtime.logging import setup_logging
 from services.runtime.settings import (

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from services.cli.roles import DEPLOY_DIR, PER_WORKER, SERVICE_ROLES
-from services.runtime.errors import ConfigError
+from services.errors import ConfigError
 
 
 def read_env_file(path: Path) -> dict[str, str]:

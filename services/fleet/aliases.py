@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from services.runtime.errors import BadRequest
+from services.errors import BadRequest
 
 
 def resolve(aliases: Mapping[str, str], name: str) -> str:

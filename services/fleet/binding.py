@@ -24,8 +24,8 @@ from typing import Final
 
 from schemas.events import TaskCompleted, TaskFailed, TaskStarted
 from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE
+from services.errors import WorkerLost
 from services.fleet.policy import SHARED_WORKER
-from services.runtime.errors import WorkerLost
 
 # Each pool, and what a worker supports to be one of its members.
 POOL_MEMBERSHIP: Final = {SHARED_WORKER: "cpu_inference", WEB_POOL: "web_search"}

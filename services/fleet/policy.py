@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from schemas.models import DEFAULT_CAPABILITIES, does_not_support, missing
 from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE, Tier, worker_queue
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
+from services.errors import NoWorker, UnsupportedCapability, WorkerUnavailable
 from services.fleet.health import degraded_reason, routable
 from services.fleet.memory import HeldModels
-from services.runtime.errors import NoWorker, UnsupportedCapability, WorkerUnavailable
 
 # The worker name a task on the shared CPU queue is routed to.
 SHARED_WORKER = "shared"

@@ -21,6 +21,7 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from schemas.subjects import GATEWAY_KEYS_BUCKET
+from services.errors import Unavailable
 from services.gateway.common import ApiError, Shape
 from services.gateway.keys import (
     INVALID_API_KEY,
@@ -35,7 +36,6 @@ from services.gateway.openai_answers import OpenAIShape
 from services.gateway.responses import refused
 from services.gateway.task_api import TaskShape
 from services.runtime.bus import ensure_bucket
-from services.runtime.errors import Unavailable
 from services.runtime.watch import follow_bucket, value_of
 
 log = structlog.get_logger("gateway")

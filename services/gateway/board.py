@@ -30,8 +30,8 @@ from schemas.events import (
 )
 from schemas.stats import COLD_LOAD_MIN_MS
 from schemas.subjects import task_event_source
+from services.errors import Unavailable, WakeTimeout
 from services.fleet.binding import Supports, refusal, routed_to_of_queue
-from services.runtime.errors import Unavailable, WakeTimeout
 
 Status = Literal["queued", "running", "done", "failed"]
 

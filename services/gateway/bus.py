@@ -17,8 +17,8 @@ from nats.aio.subscription import Subscription
 from schemas.queries import WorkersReply, WorkerView
 from schemas.route import CHUNK_HEADER, CancelRequest, ErrorBody, RouteReply, failure_of
 from schemas.subjects import CANCEL, WORKERS
+from services.errors import NoResponder, NotFound, NoWorker, TooLarge, WaitTimeout
 from services.gateway.common import ApiError, encoder, failure_status, refusal_status
-from services.runtime.errors import NoResponder, NotFound, NoWorker, TooLarge, WaitTimeout
 
 log = structlog.get_logger("gateway")
 

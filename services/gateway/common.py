@@ -29,8 +29,7 @@ from schemas.route import (
     request_problem,
 )
 from schemas.subjects import InvalidId
-from services.runtime.endpoints import decode_body
-from services.runtime.errors import (
+from services.errors import (
     BackendError,
     BackendTimeout,
     BadRequest,
@@ -48,6 +47,7 @@ from services.runtime.errors import (
     WakeTimeout,
     WorkerUnavailable,
 )
+from services.runtime.endpoints import decode_body
 
 # The Ollama API version whose shapes the gateway speaks (thinking, /api/ps fields, /v1).
 OLLAMA_API_VERSION: Final = "0.12.0"

@@ -31,8 +31,8 @@ from schemas.models import (
     resolve_name,
 )
 from schemas.queries import WorkerView
+from services.errors import Unavailable
 from services.gateway.common import KEEP_ALIVE_S, ApiError, encoder, iso_now, refusal_status
-from services.runtime.errors import Unavailable
 
 # The order Ollama lists capabilities in; any other a backend names comes after, sorted.
 _CAPABILITY_ORDER: Final = (COMPLETION, EMBEDDING, TOOLS, INSERT, VISION, THINKING)

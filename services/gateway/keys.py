@@ -17,7 +17,7 @@ from typing import Final, Literal
 import msgspec
 
 from schemas.subjects import check_token
-from services.runtime.errors import InvalidApiKey
+from services.errors import InvalidApiKey
 
 Priority = Literal["interactive", "batch"]
 PRIORITIES: Final[tuple[Priority, ...]] = ("interactive", "batch")

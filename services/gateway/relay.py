@@ -29,12 +29,12 @@ from nats.aio.client import Client
 
 from schemas.route import CHUNK_HEADER, RouteRequest, StreamChunk
 from schemas.subjects import ROUTE
+from services.errors import TooLarge, WaitTimeout
 from services.gateway.bus import FleetBus, next_msg
 from services.gateway.common import ApiError, Shape
 from services.gateway.responses import JSON, error_response
 from services.gateway.streamed import Sent
 from services.gateway.task_api import TaskShape
-from services.runtime.errors import TooLarge, WaitTimeout
 from services.runtime.lifecycle import TaskSet
 from services.runtime.request import new_task_id
 from services.runtime.settings import GatewaySettings

@@ -12,12 +12,12 @@ import structlog
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
+from services.errors import BadRequest, NotFound, TooLarge, Unsupported
 from services.gateway.common import ApiError, Shape, shown, too_large
 from services.gateway.keys import api_of
 from services.gateway.ollama_answers import OllamaShape
 from services.gateway.openai_answers import OpenAIShape
 from services.gateway.task_api import TaskShape
-from services.runtime.errors import BadRequest, NotFound, TooLarge, Unsupported
 
 log = structlog.get_logger("gateway")
 

@@ -35,6 +35,7 @@ from nats.aio.client import Client
 from schemas.queries import TaskQuery
 from schemas.subjects import ROUTE, TASK
 from services import __version__
+from services.errors import ConfigError, WaitTimeout
 from services.gateway import fleet, ollama_api, openai_api
 from services.gateway.access import Access, client_of
 from services.gateway.bus import QUERY_TIMEOUT_S, FleetBus
@@ -50,7 +51,6 @@ from services.gateway.relay import Relay
 from services.gateway.responses import JSON, NDJSON, json_errors, read_body, refused
 from services.gateway.task_api import TaskShape, task_route
 from services.runtime.bus import connect
-from services.runtime.errors import ConfigError, WaitTimeout
 from services.runtime.lifecycle import TaskSet, close_bus, stop_within
 from services.runtime.settings import GatewaySettings
 

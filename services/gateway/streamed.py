@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from schemas.route import RouteReply, StreamChunk, ToolCall
+from services.errors import StreamDiverged
 from services.gateway.common import ApiError
-from services.runtime.errors import StreamDiverged
 
 # The HTTP status a diverged stream is logged with (the client's was sent long before).
 DIVERGED_STATUS: Final = 502

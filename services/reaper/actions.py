@@ -51,10 +51,10 @@ from schemas.events import (
 from schemas.route import CancelNotice
 from schemas.subjects import TASKS_STREAM, cancel_notice, task_event
 from schemas.tasks import TaskMessage
+from services.errors import SubmissionLost
 from services.reaper.decisions import Fail, Move
 from services.reaper.detectors import DuplicateFinding
 from services.runtime.bus import publish_event
-from services.runtime.errors import SubmissionLost
 from services.runtime.outcomes import last_on, store_outcome
 
 log = structlog.get_logger("reaper")

@@ -30,12 +30,7 @@ from dataclasses import dataclass
 from schemas.models import DEFAULT_CAPABILITIES
 from schemas.tasks import is_retryable
 from schemas.workers import WorkerRecord
-from services.fleet.figures import Figures, Queued
-from services.fleet.liveness import live
-from services.fleet.policy import DEFAULT_GPU_PREFERENCE, Decision, choose
-from services.reaper.detectors import DEAD_WORKER, TaskFinding
-from services.reaper.view import TaskTrack
-from services.runtime.errors import (
+from services.errors import (
     NoAlternativeWorker,
     NoWorker,
     TooManyAttempts,
@@ -43,6 +38,11 @@ from services.runtime.errors import (
     WorkerLost,
     WorkerUnavailable,
 )
+from services.fleet.figures import Figures, Queued
+from services.fleet.liveness import live
+from services.fleet.policy import DEFAULT_GPU_PREFERENCE, Decision, choose
+from services.reaper.detectors import DEAD_WORKER, TaskFinding
+from services.reaper.view import TaskTrack
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,12 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from schemas.events import TaskCompleted, TaskFailed
+from services.errors import SubmissionLost
 from services.fleet.binding import refusal
 from services.reaper.actions import Actions, QueueIndex, copies_up_to, queue_index
 from services.reaper.decisions import Fail, Move, Wait, decide
 from services.reaper.detectors import DuplicateFinding, TaskFinding
 from services.reaper.view import ReaperView, TaskTrack, routing
-from services.runtime.errors import SubmissionLost
 from services.runtime.outcomes import Sourced, current_attempt, stored_outcome
 from services.runtime.settings import ReaperSettings
 

@@ -21,9 +21,9 @@ from nats.js import JetStreamContext
 from schemas.events import encoder
 from schemas.route import CancelNotice, CancelReply
 from schemas.subjects import InvalidId, cancel_notice
+from services.errors import BadRequest, NotFound
 from services.router.peers import Peers
 from services.router.requests import parse_cancel_request
-from services.runtime.errors import BadRequest, NotFound
 from services.runtime.outcomes import current_attempt, stored_outcome
 
 log = structlog.get_logger("router")

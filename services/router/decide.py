@@ -16,10 +16,10 @@ from schemas.route import RouteRequest
 from schemas.tasks import needs_of
 from schemas.work import Work
 from schemas.workers import WorkerRecord
+from services.errors import BadRequest, NoWorker, UnsupportedCapability
 from services.fleet import policy
 from services.fleet.domains import classify_domain
 from services.router.view import FleetView
-from services.runtime.errors import BadRequest, NoWorker, UnsupportedCapability
 
 
 @dataclass(frozen=True, slots=True)

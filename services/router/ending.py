@@ -13,9 +13,9 @@ from nats.js import JetStreamContext
 
 from schemas.events import TaskCompleted, TaskFailed, TaskRouted, task_event_decoder
 from schemas.subjects import task_event
+from services.errors import WaitTimeout
 from services.router.records import latest_outcome
 from services.router.waiting import Waiter
-from services.runtime.errors import WaitTimeout
 from services.runtime.outcomes import Sourced, last_on, stored_ends
 
 log = structlog.get_logger("router")

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from schemas.events import TaskCompleted, TaskFailed, TaskRouted, TaskSubmitted
 from schemas.route import ErrorDetail, RouteReply
 from schemas.tasks import TaskMessage
+from services.errors import Unavailable, WakeTimeout
 from services.fleet.policy import Decision
 from services.router.decide import Submission
-from services.runtime.errors import Unavailable, WakeTimeout
 
 
 def submitted_event(task: Submission) -> TaskSubmitted:

@@ -20,9 +20,9 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from schemas.workers import worker_record_decoder
+from services.errors import Unavailable
 from services.fleet.settling import SettlingTracker
 from services.router.view import FleetView
-from services.runtime.errors import Unavailable
 from services.runtime.lifecycle import TaskSet
 from services.runtime.stall import look_once, watch_stalls
 from services.runtime.watch import BucketCursor, follow_bucket, reconnects, value_of

@@ -22,8 +22,8 @@ from schemas.route import (
     request_problem,
 )
 from schemas.subjects import InvalidId, check_token
+from services.errors import BadRequest, PromptTooLarge, TooLarge
 from services.runtime.endpoints import decode_body
-from services.runtime.errors import BadRequest, PromptTooLarge, TooLarge
 
 # What a task message and the ``submitted`` event add to the request itself (ids, times,
 # subjects, headers), so the size check leaves room for them.

@@ -47,6 +47,11 @@ from schemas.subjects import (
     task_event_source,
 )
 from services import __version__
+from services.errors import (
+    NoWorker,
+    Unavailable,
+    UnsupportedCapability,
+)
 from services.fleet import liveness
 from services.fleet.binding import refusal
 from services.router.backlog import Backlog
@@ -76,11 +81,6 @@ from services.runtime.bus import (
     started,
 )
 from services.runtime.endpoints import add_endpoint, reply_subject
-from services.runtime.errors import (
-    NoWorker,
-    Unavailable,
-    UnsupportedCapability,
-)
 from services.runtime.lifecycle import TaskSet, close_bus, stop_within
 from services.runtime.request import new_task_id
 from services.runtime.settings import RouterSettings

@@ -29,11 +29,11 @@ from nats.js.api import PubAck
 
 from schemas.events import TaskRouted, encoder, task_event_decoder
 from schemas.subjects import task_event
+from services.errors import Unavailable
 from services.fleet.policy import Decision
 from services.router.decide import Submission
 from services.router.records import routed_event, submitted_event, task_message, unqueued_failure
 from services.runtime.bus import publish_event
-from services.runtime.errors import Unavailable
 from services.runtime.outcomes import last_on
 from services.runtime.tracing import inject_context
 

@@ -16,7 +16,7 @@ from schemas.route import CHUNK_HEADER, CancelNotice, StreamChunk, ToolCall
 from schemas.subjects import chunk_subject
 from schemas.tasks import TaskMessage
 from services.backends import OnChunk
-from services.runtime.errors import Cancelled, TooLarge
+from services.errors import Cancelled, TooLarge
 
 # What headers and the event's own fields add to an outcome beyond its answer: an outcome is
 # checked against the server's max_payload with this much room left.

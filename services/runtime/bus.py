@@ -50,7 +50,7 @@ from schemas.subjects import (
     InvalidId,
     inbox_prefix,
 )
-from services.runtime.errors import ConfigError, StopRequested, Unavailable
+from services.errors import ConfigError, StopRequested, Unavailable
 from services.runtime.lifecycle import current_stop
 from services.runtime.settings import DEFAULT_WORKER_TTL_S, NatsAuth, Settings, nats_servers
 from services.runtime.tracing import inject_context

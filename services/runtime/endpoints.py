@@ -29,7 +29,7 @@ from opentelemetry import trace
 
 from schemas.route import MAX_NESTING, ErrorBody, ErrorDetail, nesting_problem, too_deep
 from schemas.subjects import InvalidId
-from services.runtime.errors import BadRequest, CoordinatorError, TooLarge, Unavailable
+from services.errors import BadRequest, CoordinatorError, TooLarge, Unavailable
 from services.runtime.lifecycle import TaskSet
 from services.runtime.tracing import extract_context
 

@@ -29,11 +29,11 @@ from nats.js.kv import KeyValue
 
 from schemas.events import WorkerStopped
 from schemas.workers import WorkerRecord, worker_record_decoder
+from services.errors import DuplicateWorker, LeaseLost
 from services.fleet.liveness import in_touch, is_fresh, is_live
 from services.runtime.bus import is_wrong_last_sequence, publish_event
-from services.runtime.errors import DuplicateWorker, LeaseLost
 
-# The lease's errors are defined in the catalogue (`services.runtime.errors`) and exported
+# The lease's errors are defined in the catalogue (`services.errors`) and exported
 # from here too, where their callers look for them.
 
 log = structlog.get_logger("lease")

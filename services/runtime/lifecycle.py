@@ -24,7 +24,7 @@ from typing import Any, Final, TypeVar
 import structlog
 from nats.aio.client import Client
 
-from services.runtime.errors import StopRequested
+from services.errors import StopRequested
 
 log = structlog.get_logger("lifecycle")
 

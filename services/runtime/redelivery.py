@@ -24,11 +24,11 @@ from structlog.typing import FilteringBoundLogger
 from schemas.events import TaskCompleted, TaskFailed, TaskStarted
 from schemas.tasks import TaskMessage
 from schemas.workers import WorkerRecord, worker_record_decoder
+from services.errors import WorkerLost
 from services.fleet.binding import refusal, routed_to_of_queue
 from services.fleet.takeover import Lost, Run, Wait, on_redelivery
 from services.runtime.acks import ACK, NAK, TERM, settle
 from services.runtime.bus import is_wrong_last_sequence
-from services.runtime.errors import WorkerLost
 from services.runtime.outcomes import (
     Sourced,
     last_started,

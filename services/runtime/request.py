@@ -2,7 +2,7 @@
 
 Any process that calls a service endpoint uses this (the CLI, the bench job, tests,
 benchmarks): the trace context goes along, an error reply is raised as the catalogued class
-of its code (`services.runtime.errors.from_code`: ``no_worker`` is `NoWorker`, a code nobody
+of its code (`services.errors.from_code`: ``no_worker`` is `NoWorker`, a code nobody
 catalogued a `RemoteError` that keeps it), and the bus's own failures are mapped to the
 project's errors here, by nats.py's classes: nobody answering (or in time) is `NoResponder`,
 a request over the server's ``max_payload`` `TooLarge`, a closed or reconnecting connection
@@ -28,7 +28,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from schemas.route import CHUNK_HEADER, ErrorBody, StreamChunk
-from services.runtime.errors import (
+from services.errors import (
     CoordinatorError,
     NoResponder,
     TooLarge,

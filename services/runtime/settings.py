@@ -17,8 +17,8 @@ import msgspec
 
 from schemas.subjects import InvalidId, check_worker_id
 from schemas.workers import Capability
+from services.errors import ConfigError
 from services.fleet.policy import DEFAULT_GPU_PREFERENCE
-from services.runtime.errors import ConfigError
 
 S = TypeVar("S", bound="Settings")
 

@@ -58,10 +58,10 @@ from schemas.subjects import CANCEL_NOTICES
 from schemas.tasks import task_decoder
 from schemas.workers import WorkerRecord
 from services import __version__
+from services.errors import LeaseLost
 from services.runtime.acks import ACK, NAK, STOP_SETTLE_S, recover_lost_delivery, settle
 from services.runtime.bus import answered, ensure_streams, flush_written, publish_event
 from services.runtime.consumers import Queue, bind
-from services.runtime.errors import LeaseLost
 from services.runtime.lease import Lease, deregister
 from services.runtime.lifecycle import stop_within
 from services.runtime.pull import holds_delivery, pull_one

@@ -25,6 +25,7 @@ from structlog.typing import FilteringBoundLogger
 from schemas.events import TaskCompleted, TaskFailed, TaskStarted
 from schemas.route import CancelNotice
 from schemas.tasks import TaskMessage, task_decoder
+from services.errors import Cancelled
 from services.runtime.acks import NAK, TERM, settle
 from services.runtime.attempts import (
     CancelMemory,
@@ -33,7 +34,6 @@ from services.runtime.attempts import (
     fitting,
     refused,
 )
-from services.runtime.errors import Cancelled
 from services.runtime.outcomes import (
     KeepAlive,
     attempt_fence,

@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
-from services.runtime.errors import ConfigError
+from services.errors import ConfigError
 
 EXPORTERS = ("otlp", "console", "none")
 

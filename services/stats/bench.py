@@ -47,8 +47,8 @@ from schemas.queries import WorkersReply
 from schemas.route import RouteReply, RouteRequest, failure_of
 from schemas.stats import BaselinesQuery, BaselinesReply
 from schemas.subjects import ROUTE, STATS_BASELINES, WORKERS, task_event
+from services.errors import ConfigError, CoordinatorError, NoWorker
 from services.runtime.bus import publish_event
-from services.runtime.errors import ConfigError, CoordinatorError, NoWorker
 from services.runtime.outcomes import last_on
 from services.runtime.request import call
 from services.stats.baseline import PromptBaseline, Sample, compare

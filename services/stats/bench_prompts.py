@@ -14,8 +14,8 @@ from typing import Final
 
 import msgspec
 
+from services.errors import ConfigError
 from services.fleet.domains import classify_domain
-from services.runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)

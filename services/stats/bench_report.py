@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-from services.runtime.errors import BackendTimeout, CoordinatorError, WaitTimeout
+from services.errors import BackendTimeout, CoordinatorError, WaitTimeout
 from services.stats.baseline import Comparison
 from services.stats.bench_prompts import BenchPrompt
 

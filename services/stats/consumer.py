@@ -29,7 +29,7 @@ from opentelemetry import trace
 
 from schemas.events import kind_of
 from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS, STATS_CONSUMER
-from services.runtime.errors import Unavailable
+from services.errors import Unavailable
 from services.runtime.tracing import extract_context, spans_recorded
 from services.stats.projector import Item, item_of
 from services.stats.rebuild import replay

@@ -66,10 +66,10 @@ from schemas.subjects import (
     TASK,
     task_events,
 )
+from services.errors import Conflict, NotFound, RebuildBusy, Unavailable
 from services.fleet.aliases import check_alias
 from services.runtime.bus import publish_event
 from services.runtime.endpoints import Handler
-from services.runtime.errors import Conflict, NotFound, RebuildBusy, Unavailable
 from services.stats.publisher import FigurePublisher
 from services.stats.rebuild import rebuild
 from services.stats.requests import check_exclusion, decode_request, new_id, parse_task_query

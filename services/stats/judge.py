@@ -34,9 +34,7 @@ from schemas.route import MAX_TIMEOUT_S
 from schemas.subjects import EVENTS_STREAM, quality_event
 from schemas.work import Work
 from services.backends.ollama import OllamaBackend
-from services.fleet.domains import classify_domain
-from services.runtime.bus import publish_event
-from services.runtime.errors import (
+from services.errors import (
     BackendError,
     BackendTimeout,
     BackendUnavailable,
@@ -44,6 +42,8 @@ from services.runtime.errors import (
     JudgeUnavailable,
     Unavailable,
 )
+from services.fleet.domains import classify_domain
+from services.runtime.bus import publish_event
 from services.runtime.outcomes import last_on
 from services.runtime.settings import Settings
 from services.stats.projection import TaskState

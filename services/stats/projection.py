@@ -39,9 +39,9 @@ from schemas.events import (
 )
 from schemas.queries import TaskView
 from schemas.route import UNKNOWN_FAILURE, ErrorDetail, TaskStatus
+from services.errors import Cancelled
 from services.fleet.binding import routed_to_of_queue
 from services.fleet.domains import classify_domain
-from services.runtime.errors import Cancelled
 
 TERMINAL_STATUSES: frozenset[TaskStatus] = frozenset({"done", "failed"})
 

@@ -57,7 +57,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas.events import kind_of
 from schemas.subjects import EVENTS_STREAM, EVENTS_SUBJECTS
-from services.runtime.errors import RebuildBusy, Unavailable
+from services.errors import RebuildBusy, Unavailable
 from services.stats.figure_rows import refresh_figures
 from services.stats.projector import Item, item_of, park, project
 from services.stats.rows import PROJECTION_LOCK, PROJECTION_TABLES, Connection

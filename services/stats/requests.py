@@ -16,8 +16,8 @@ from schemas.queries import TaskQuery
 from schemas.route import MAX_QUERY_ITEMS, count_problem
 from schemas.stats import ExcludeRequest, time_problem
 from schemas.subjects import InvalidId, check_token
+from services.errors import BadRequest
 from services.runtime.endpoints import decode_body
-from services.runtime.errors import BadRequest
 
 W = TypeVar("W", bound=msgspec.Struct)
 

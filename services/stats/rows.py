@@ -11,7 +11,7 @@ import math
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
-from services.runtime.errors import Unstorable
+from services.errors import Unstorable
 from services.stats.projection import Outcome, TaskState
 
 if TYPE_CHECKING:

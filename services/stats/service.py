@@ -41,6 +41,7 @@ from schemas.subjects import (
     STATS_ROLE,
 )
 from services import __version__
+from services.errors import Unavailable
 from services.runtime.bus import (
     connect,
     ensure_bucket,
@@ -49,7 +50,6 @@ from services.runtime.bus import (
     started,
 )
 from services.runtime.endpoints import Handler, add_endpoint, serve_subject
-from services.runtime.errors import Unavailable
 from services.runtime.leadership import Leadership
 from services.runtime.lifecycle import TaskSet, close_bus, stop_within
 from services.runtime.request import raise_if_error

@@ -39,8 +39,8 @@ from schemas.stats import (
     StatsQuery,
 )
 from schemas.subjects import EVENTS_STREAM
+from services.errors import Unavailable, Unstorable
 from services.fleet.aliases import resolve
-from services.runtime.errors import Unavailable, Unstorable
 from services.stats.figure_rows import FIGURE_COLUMNS, NOT_EXCLUDED, refresh_figures
 from services.stats.projection import TaskState, to_view
 from services.stats.projector import Item, Projected, item_for, load_aliases, park, project

@@ -34,7 +34,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from services.runtime.errors import CoordinatorError, Unavailable, Unstorable
+from services.errors import CoordinatorError, Unavailable, Unstorable
 
 DIGEST_BYTES: Final = 16
 # How many times an event whose applying fails in a way nothing explains is tried.

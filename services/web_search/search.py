@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from schemas.route import Source
-from services.runtime.errors import (
+from services.errors import (
     NoResults,
     SearchError,
     SearchRateLimited,

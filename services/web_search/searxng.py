@@ -9,7 +9,7 @@ import httpx
 
 from schemas.route import Source
 from services import __version__
-from services.runtime.errors import SearchTimeout, SearchUnavailable
+from services.errors import SearchTimeout, SearchUnavailable
 from services.web_search.search import (
     failure_for_status,
     is_json,

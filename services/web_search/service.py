@@ -36,9 +36,9 @@ from schemas.workers import Capability
 from services import __version__
 from services.backends import Backend, Generation
 from services.backends.choose import make_backend
+from services.errors import BackendError, BackendTimeout, SearchError, WorkerStopping
 from services.runtime.bus import connect
 from services.runtime.consumers import WEB_POOL, Queue
-from services.runtime.errors import BackendError, BackendTimeout, SearchError, WorkerStopping
 from services.runtime.lifecycle import close_bus, stop_within
 from services.runtime.settings import WebSearchSettings
 from services.runtime.taskkind import Attempt, LoopSettings, loop_settings

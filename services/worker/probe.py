@@ -22,14 +22,14 @@ import structlog
 
 from schemas.work import Work
 from services.backends import Backend, Progress, embedding_work
-from services.fleet import health
-from services.fleet.health import Failure, Health, HealthPolicy, ProbeKind
-from services.runtime.errors import (
+from services.errors import (
     BackendError,
     BackendServerError,
     BackendTimeout,
     BackendUnavailable,
 )
+from services.fleet import health
+from services.fleet.health import Failure, Health, HealthPolicy, ProbeKind
 
 log = structlog.get_logger("worker")
 

@@ -26,11 +26,11 @@ from schemas.tasks import TaskMessage, needs_of
 from schemas.work import Work
 from services.backends import Backend, Embedding, Generation, OnChunk, Progress, embedding_work
 from services.backends.choose import make_backend
+from services.errors import BackendError, BackendUnavailable, ConfigError
 from services.fleet.health import HealthPolicy
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import connect
 from services.runtime.consumers import CPU_POOL, Queue
-from services.runtime.errors import BackendError, BackendUnavailable, ConfigError
 from services.runtime.lifecycle import close_bus, stop_within
 from services.runtime.settings import WorkerSettings
 from services.runtime.sleep import SleepPolicy

@@ -20,7 +20,7 @@ from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer, nats_server_binary, wait_for_port
 from schemas.route import RouteReply
 from schemas.subjects import ROUTE, WORKERS
-from services.runtime.errors import CoordinatorError, NoResponder, Unavailable
+from services.errors import CoordinatorError, NoResponder, Unavailable
 from services.runtime.request import call, new_task_id, stream_call
 from tests.harness import ServiceRunner, clean_env, eventually, request, run_cli, workers_live
 from tests.integration.test_follow import count_events

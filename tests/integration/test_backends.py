@@ -29,7 +29,7 @@ from schemas.work import Work
 from services.backends import Generation
 from services.backends.ollama import OllamaBackend
 from services.backends.openai import OpenAIBackend
-from services.runtime.errors import (
+from services.errors import (
     BackendError,
     BackendServerError,
     BackendTimeout,

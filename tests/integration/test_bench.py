@@ -18,7 +18,7 @@ from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.events import BenchFinished, BenchResult, BenchStarted, any_event_decoder
 from schemas.subjects import EVENTS_STREAM
-from services.runtime.errors import NoWorker
+from services.errors import NoWorker
 from services.stats.bench import Bench
 from services.stats.bench_prompts import BenchPrompt
 from services.stats.bench_report import BenchReport, warnings
@@ -190,7 +190,7 @@ async def test_with_no_live_worker_there_is_nothing_to_benchmark(
 
 
 def test_a_prompt_file_is_read_and_a_bad_one_refused(tmp_path: Path) -> None:
-    from services.runtime.errors import ConfigError
+    from services.errors import ConfigError
     from services.stats.bench import load_prompts
 
     lines = tmp_path / "prompts.txt"

@@ -21,8 +21,8 @@ import nats
 import pytest
 
 from devtools.servers import NatsServer, free_port
+from services.errors import StopRequested
 from services.runtime.bus import connect
-from services.runtime.errors import StopRequested
 from tests.harness import COORDINATOR, Processes, clean_env, eventually, request, run_cli
 
 WAITING = "cannot reach NATS; trying again"

@@ -16,7 +16,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.workers import WorkerRecord
-from services.runtime.errors import ConfigError, LeaseLost
+from services.errors import ConfigError, LeaseLost
 from tests.harness import (
     COORDINATOR,
     Processes,

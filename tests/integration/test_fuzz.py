@@ -61,9 +61,9 @@ from schemas.subjects import (
     WORKERS,
     InvalidId,
 )
+from services.errors import catalogue
 from services.gateway.responses import json_errors, read_body
 from services.runtime.endpoints import add_endpoint
-from services.runtime.errors import catalogue
 from services.runtime.lifecycle import TaskSet
 from tests.harness import ServiceRunner, eventually, request, workers_live
 from tests.integration.test_gateway import start_gateway

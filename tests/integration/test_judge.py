@@ -17,7 +17,7 @@ from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer, free_port
 from schemas.events import QualityScored, TaskEvent, TaskSubmitted, any_event_decoder
 from schemas.subjects import EVENTS_STREAM
-from services.runtime.errors import JudgeUnavailable
+from services.errors import JudgeUnavailable
 from services.stats.judge import Judge, JudgeReport, JudgeSettings
 from services.stats.store import Store
 from tests.harness import request

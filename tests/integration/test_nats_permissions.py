@@ -45,10 +45,10 @@ from services.cli.permissions import (
     password_variable,
 )
 from services.cli.roles import DEPLOY_DIR
+from services.errors import Unavailable
 from services.reaper.service import run as run_reaper
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import ensure_streams, publish_event
-from services.runtime.errors import Unavailable
 from services.runtime.outcomes import stored_ends
 from services.runtime.request import new_task_id
 from services.runtime.settings import NatsAuth, ReaperSettings, StatsSettings

@@ -27,7 +27,7 @@ from schemas.route import ChatMessage, RouteReply, ToolCall
 from schemas.vectors import unpack
 from schemas.work import Work
 from services.backends.openai import OpenAIBackend
-from services.runtime.errors import BackendError
+from services.errors import BackendError
 from services.runtime.request import stream_call
 from tests.harness import ServiceRunner, request, workers_live
 

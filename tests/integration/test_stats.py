@@ -34,8 +34,8 @@ from schemas.events import (
 from schemas.queries import TaskView
 from schemas.subjects import EVENTS_STREAM, STATS_CONSUMER, TASK
 from schemas.work import Work
+from services.errors import Unavailable
 from services.runtime.bus import ensure_streams, publish_event
-from services.runtime.errors import Unavailable
 from services.runtime.settings import StatsSettings
 from services.stats.figures import routing_figure
 from services.stats.projection import TaskState

@@ -28,7 +28,7 @@ from devtools.servers import NatsServer
 from schemas.events import AnyEvent, ExclusionAdded, QualityScored, TaskCompleted
 from schemas.subjects import EVENTS_STREAM, STATS_CONSUMER, STATS_PARKED
 from services.cli.doctor import run_doctor
-from services.cli.doctor_checks import Check
+from services.cli.doctor_line import Check
 from services.runtime.bus import ensure_streams, publish_event
 from services.stats.consumer import ProjectionConsumer, consumer_config
 from services.stats.projector import Projected

@@ -482,7 +482,7 @@ async def test_aliases_key_history_under_one_name_and_removing_one_splits_it_aga
 async def test_a_rebuild_without_its_database_fails_with_a_code_and_changes_nothing(
     nats_server: NatsServer,
 ) -> None:
-    from services.runtime.errors import Unavailable
+    from services.errors import Unavailable
     from services.stats.rebuild import rebuild as rebuild_tables
 
     async with bus(nats_server.url) as (_, js):

@@ -19,12 +19,12 @@ from nats.js.errors import APIError, NotFoundError
 
 from schemas.events import TaskRouted
 from schemas.route import RouteRequest
+from services.errors import Unavailable
 from services.fleet.policy import Decision
 from services.router import submit as submit_module
 from services.router.decide import Plan, Submission, submission
 from services.router.submit import submit
 from services.runtime.bus import ensure_streams, publish_event
-from services.runtime.errors import Unavailable
 from tests.harness import last_task_event
 
 QUEUE = "tasks.cpu.cpu-1"

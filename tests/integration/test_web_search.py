@@ -34,8 +34,8 @@ from schemas.subjects import TASKS_STREAM
 from schemas.tasks import TaskMessage
 from schemas.work import Work
 from services import __version__
+from services.errors import DuplicateWorker
 from services.runtime.bus import publish_event
-from services.runtime.errors import DuplicateWorker
 from services.runtime.settings import WebSearchSettings
 from services.web_search.service import run as run_web_search
 from tests.harness import (

@@ -11,13 +11,7 @@ import pytest
 
 from schemas.workers import WorkerRecord
 from services.cli.doctor_checks import check_backends
-from services.fleet import health
-from services.fleet.health import Failure, HealthPolicy, MemorySeen, memory_seen
-from services.fleet.policy import Estimates, choose
-from services.reaper.decisions import Fail, Move, decide
-from services.reaper.detectors import Snapshot, Thresholds, detect
-from services.reaper.view import TaskTrack
-from services.runtime.errors import (
+from services.errors import (
     BackendError,
     BackendServerError,
     BackendTimeout,
@@ -25,6 +19,12 @@ from services.runtime.errors import (
     NoWorker,
     WorkerUnavailable,
 )
+from services.fleet import health
+from services.fleet.health import Failure, HealthPolicy, MemorySeen, memory_seen
+from services.fleet.policy import Estimates, choose
+from services.reaper.decisions import Fail, Move, decide
+from services.reaper.detectors import Snapshot, Thresholds, detect
+from services.reaper.view import TaskTrack
 from services.worker.probe import BackendProbe, failure_of, runs_elsewhere, watched
 
 NOW = 1_000.0

@@ -32,6 +32,7 @@ from schemas.route import (
 )
 from schemas.stats import AliasRequest, BaselinesQuery, StatsQuery
 from schemas.subjects import InvalidId
+from services.errors import BadRequest, TooLarge, from_code
 from services.gateway import openai_api
 from services.gateway.common import ApiError, keep_alive_ns, model_named, shown
 from services.gateway.conversation import arguments_of
@@ -47,7 +48,6 @@ from services.runtime.endpoints import (
     decode_body,
     respond_error,
 )
-from services.runtime.errors import BadRequest, TooLarge, from_code
 from services.stats.requests import decode_request, parse_task_query
 
 IMAGE = "aGVsbG8="

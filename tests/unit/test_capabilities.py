@@ -17,8 +17,8 @@ from schemas.models import (
 from schemas.route import ChatMessage, RouteRequest
 from schemas.tasks import needs_of
 from schemas.workers import Capability, WorkerRecord
+from services.errors import UnsupportedCapability, WorkerUnavailable
 from services.fleet.policy import Estimates, choose, choose_sleeper
-from services.runtime.errors import UnsupportedCapability, WorkerUnavailable
 
 
 def worker(

@@ -19,7 +19,7 @@ from services.cli.doctor_cluster import (
 from services.cli.main import main
 from services.cli.permissions import render_nats_conf
 from services.cli.replication import check_replicas_possible, replication_of
-from services.runtime.errors import ConfigError
+from services.errors import ConfigError
 from services.runtime.settings import DoctorSettings, Settings, nats_servers
 
 

@@ -31,8 +31,8 @@ from services.cli.permissions import (
 )
 from services.cli.roles import DEPLOY_DIR, SERVICE_ROLES
 from services.cli.units import read_env_file, render_launchd, render_systemd
+from services.errors import ConfigError
 from services.runtime import settings as settings_module
-from services.runtime.errors import ConfigError
 
 ROOT = DEPLOY_DIR.parent
 COMPOSE = ROOT / "docker-compose.yml"

@@ -10,7 +10,6 @@ from nats.js.api import ConsumerConfig, ConsumerInfo, StreamConfig, StreamInfo, 
 from schemas.workers import WorkerRecord
 from services.cli.doctor_checks import (
     REBUILD_ADVICE,
-    Check,
     ReadModel,
     check_duplicates,
     check_ghost_queues,
@@ -20,6 +19,7 @@ from services.cli.doctor_checks import (
     check_versions,
     subject_matches,
 )
+from services.cli.doctor_line import Check
 from services.cli.unit_scan import scan_unit_dirs
 
 NOW = 1_000_000.0

@@ -11,9 +11,8 @@ import pytest
 
 from schemas.queries import TaskView
 from schemas.route import ErrorDetail, RouteReply, failure_of
-from services.runtime import errors
-from services.runtime.endpoints import error_body
-from services.runtime.errors import (
+from services import errors
+from services.errors import (
     BadRequest,
     CoordinatorError,
     NoWorker,
@@ -22,6 +21,7 @@ from services.runtime.errors import (
     catalogue,
     from_code,
 )
+from services.runtime.endpoints import error_body
 from services.runtime.request import raise_if_error
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,6 +11,7 @@ import pytest
 from schemas.events import TaskSubmitted, task_event_decoder
 from schemas.route import RouteRequest
 from schemas.subjects import InvalidId
+from services.errors import ConfigError
 from services.gateway.keys import (
     KEY_PREFIX,
     KeyRecord,
@@ -29,7 +30,6 @@ from services.gateway.keys import (
     record_decoder,
     record_encoder,
 )
-from services.runtime.errors import ConfigError
 from services.runtime.settings import GatewaySettings
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime.errors import ConfigError
+from services.errors import ConfigError
 from services.runtime.settings import GatewaySettings
 
 

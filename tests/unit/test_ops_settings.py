@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.errors import ConfigError
+from services.errors import ConfigError
 from services.runtime.settings import NatsAuth, RouterSettings, SetupSettings
 from services.runtime.tracing import exporter_name
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from services.errors import BadRequest, PromptTooLarge
 from services.router.requests import parse_route_request
-from services.runtime.errors import BadRequest, PromptTooLarge
 from services.runtime.request import new_task_id
 
 

@@ -6,10 +6,10 @@ import pytest
 
 from schemas.events import Durations, TaskCompleted, TaskFailed
 from schemas.route import ErrorDetail, RouteRequest
+from services.errors import BadRequest
 from services.fleet.policy import Decision
 from services.router.decide import Plan, Submission, submission
 from services.router.records import latest_outcome, outcome_reply, queued_reply, submitted_event
-from services.runtime.errors import BadRequest
 
 DECISION = Decision("mac", "gpu", "tasks.gpu.mac", "least expected completion")
 REQUEST = RouteRequest(prompt="2+2", model="qwen3:8b", wait=True)

@@ -6,6 +6,7 @@ import pytest
 
 from schemas.models import ModelFacts
 from schemas.workers import Capability, WorkerRecord
+from services.errors import NoWorker, WorkerUnavailable
 from services.fleet.liveness import live
 from services.fleet.policy import (
     EVICTION_WEIGHT,
@@ -16,7 +17,6 @@ from services.fleet.policy import (
     choose_web,
     outlook,
 )
-from services.runtime.errors import NoWorker, WorkerUnavailable
 
 
 def worker(

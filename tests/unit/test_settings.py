@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime.errors import ConfigError
+from services.errors import ConfigError
 from services.runtime.settings import (
     ReaperSettings,
     RouterSettings,

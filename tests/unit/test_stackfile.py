@@ -13,7 +13,7 @@ import pytest
 from services.cli import stackfile
 from services.cli.client import find_nats_url, find_pg_dsn
 from services.cli.stackfile import StackRecord
-from services.runtime.errors import Unavailable
+from services.errors import Unavailable
 
 
 def gone_pid() -> int:

@@ -23,7 +23,7 @@ from services.cli.stats_commands import (
     judge_environment,
 )
 from services.cli.stats_format import figures_table, parked_lines, rebuild_line
-from services.runtime.errors import ConfigError
+from services.errors import ConfigError
 from services.stats.baseline import Comparison
 from services.stats.bench_prompts import BUILTIN_PROMPTS
 from services.stats.bench_report import BenchReport, Result, describe_error

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from schemas.stats import FigureView, RoutingFigure
+from services.errors import BadRequest
 from services.fleet.aliases import check_alias, resolve
-from services.runtime.errors import BadRequest
 from services.stats.figures import escape_part, kv_key, routing_figure, unescape_part
 
 # What a NATS KV key may hold.

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from schemas.stats import EARLIEST_S, LATEST_S, ExcludeRequest, time_problem
-from services.runtime.errors import BadRequest
+from services.errors import BadRequest
 from services.stats.requests import check_exclusion, check_fields
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from schemas.stats import LATEST_S
-from services.runtime.errors import Unavailable, Unstorable
+from services.errors import Unavailable, Unstorable
 from services.stats.rows import timestamp
 from services.stats.tracking import (
     DIGEST_BYTES,

@@ -14,12 +14,12 @@ from schemas.tasks import TaskMessage, is_retryable
 from schemas.work import Work
 from schemas.workers import WorkerRecord
 from services.cli.main import main
-from services.fleet.takeover import MIN_RECHECK_S, Lost, Run, Wait, on_redelivery
-from services.runtime.errors import (
+from services.errors import (
     ConfigError,
     NoResults,
     SearchError,
 )
+from services.fleet.takeover import MIN_RECHECK_S, Lost, Run, Wait, on_redelivery
 from services.runtime.settings import WebSearchSettings, default_worker_id
 from services.web_search.search import (
     SNIPPET_CHARS,
