@@ -25,6 +25,12 @@ def is_fresh(heartbeat_at: float, now: float, ttl_s: float) -> bool:
     return now - heartbeat_at < ttl_s
 
 
+def stale_in(heartbeat_at: float, now: float, ttl_s: float) -> float:
+    """Seconds from ``now`` until a heartbeat sent at ``heartbeat_at`` is stale (`is_fresh`);
+    0 or less once it is."""
+    return heartbeat_at + ttl_s - now
+
+
 def is_live(record: WorkerRecord, now: float, ttl_s: float) -> bool:
     """Is ``record``'s worker live: its heartbeat fresh, and it is not stopping?"""
     return is_fresh(record.heartbeat_at, now, ttl_s) and record.state != "stopping"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from schemas.events import TaskStarted
 from schemas.workers import WorkerRecord
-from services.fleet.liveness import is_live
+from services.fleet.liveness import is_live, stale_in
 
 # Shortest wait before looking at a live starter again.
 MIN_RECHECK_S = 0.5
@@ -57,7 +57,7 @@ def on_redelivery(
         and starter.current_task == started.task_id
         and is_live(starter, now, ttl_s)
     ):
-        return Wait(delay_s=max(ttl_s - (now - starter.heartbeat_at), MIN_RECHECK_S))
+        return Wait(delay_s=max(stale_in(starter.heartbeat_at, now, ttl_s), MIN_RECHECK_S))
     return Lost(reason=lost_reason(started))
 
 

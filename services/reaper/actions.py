@@ -40,6 +40,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
+from schemas import message_ids
 from schemas.events import (
     TaskFailed,
     TaskRouted,
@@ -74,16 +75,6 @@ MSG_DELETE_FAILED = 10057
 
 QueueIndex = dict[str, list[tuple[int, int]]]
 """task id -> [(stream sequence, attempt)] of its messages on one queue."""
-
-
-def routed_msg_id(task_id: str, attempt: int) -> str:
-    """The ``routed`` event's message id (the router's for attempt 1 has the same shape)."""
-    return f"{task_id}:routed:{attempt}"
-
-
-def task_msg_id(task_id: str, attempt: int) -> str:
-    """The task message's id: ``Nats-Msg-Id = <task_id>:<attempt>`` (docs/design.md, Messaging)."""
-    return f"{task_id}:{attempt}"
 
 
 async def queue_index(js: JetStreamContext, queue: str) -> QueueIndex:
@@ -146,7 +137,7 @@ class Actions:
                 model=submitted.model,
                 domain=move.domain,
             ),
-            msg_id=routed_msg_id(move.task_id, move.attempt),
+            msg_id=message_ids.routed(move.task_id, move.attempt),
         )
         if await ended():
             return False
@@ -169,7 +160,7 @@ class Actions:
         await self.js.publish(
             decision.queue,
             encoder.encode(message),
-            headers={"Nats-Msg-Id": task_msg_id(move.task_id, move.attempt)},
+            headers={"Nats-Msg-Id": message_ids.task_message(move.task_id, move.attempt)},
         )
         return True
 
@@ -200,7 +191,9 @@ class Actions:
         data = await last_on(self.js, subject, leader=True)
         if data is not None:
             await self.js.publish(
-                subject, data, headers={"Nats-Msg-Id": f"{task_id}:routed:failed:{attempt}"}
+                subject,
+                data,
+                headers={"Nats-Msg-Id": message_ids.routed_again_as_failed(task_id, attempt)},
             )
 
     async def remove(self, copies: Iterable[int]) -> None:

@@ -27,6 +27,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
+from schemas import message_ids
 from schemas.events import TaskRouted, encoder, task_event_decoder
 from schemas.subjects import task_event
 from services.errors import Unavailable
@@ -99,10 +100,12 @@ async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int
     routed_at = time.time()
     submitted, routed = await asyncio.gather(
         through_outage(
-            lambda: publish_event(js, submitted_event(task), msg_id=f"{task_id}:submitted")
+            lambda: publish_event(js, submitted_event(task), msg_id=message_ids.submitted(task_id))
         ),
         through_outage(
-            lambda: publish_event(js, routed_event(task, routed_at), msg_id=f"{task_id}:routed:1")
+            lambda: publish_event(
+                js, routed_event(task, routed_at), msg_id=message_ids.routed(task_id, 1)
+            )
         ),
         return_exceptions=True,
     )
@@ -121,7 +124,7 @@ async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int
         raise Unavailable(f"could not record the task: {submitted!r}") from submitted
     message = encoder.encode(task_message(task, int(routed.seq)))
     # The worker continues this request's trace (traceparent).
-    headers = inject_context({"Nats-Msg-Id": f"{task_id}:1"})
+    headers = inject_context({"Nats-Msg-Id": message_ids.task_message(task_id, 1)})
     try:
         # Tried until the stream says it holds the message (a duplicate of a try that was
         # stored with its acknowledgement lost counts): given up on sooner, a message that
@@ -153,6 +156,6 @@ async def fail_unqueued(
         await publish_event(
             js,
             unqueued_failure(task_id, decision, reason, time.time()),
-            msg_id=f"{task_id}:failed:router",
+            msg_id=message_ids.failed_before_routing(task_id, "router"),
             expect_last=None if routed_seq is None else (task_event(task_id, "routed"), routed_seq),
         )

@@ -14,6 +14,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from schemas import message_ids
 from schemas.events import WakeRequested
 from schemas.subjects import TASKS_STREAM
 from schemas.workers import WorkerRecord
@@ -85,5 +86,5 @@ class Waker:
         await publish_event(
             self.js,
             wake_failure(task_id, worker_id, self.settings.wake_wait_s, time.time()),
-            msg_id=f"{task_id}:failed:wake",
+            msg_id=message_ids.failed_before_routing(task_id, "wake"),
         )

@@ -35,6 +35,7 @@ from nats.js.kv import KeyValue
 
 from schemas.leaders import LeaderRecord, leader_record_decoder
 from services import __version__
+from services.fleet.liveness import stale_in
 from services.runtime.lease import KeyLease
 
 log = structlog.get_logger("leadership")
@@ -131,8 +132,8 @@ class Leadership:
                     holder = None
                 if holder is not None:
                     # Look again as soon as its entry would be stale.
-                    stale_in = holder.heartbeat_at + self.ttl_s - time.time()
-                    wait_s = min(self.interval_s, max(stale_in, MIN_TRY_S))
+                    stale_s = stale_in(holder.heartbeat_at, time.time(), self.ttl_s)
+                    wait_s = min(self.interval_s, max(stale_s, MIN_TRY_S))
                     if said != holder.instance_id:
                         said = holder.instance_id
                         self._became(False)

@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from schemas import message_ids
 from schemas.events import (
     TaskCompleted,
     TaskEvent,
@@ -42,13 +43,6 @@ log = structlog.get_logger("outcomes")
 # lost, and the reaper moves a task that has in fact ended.
 OUTCOME_RETRY_S = 30.0
 OUTCOME_RETRY_MAX_DELAY_S = 2.0
-
-
-def outcome_msg_id(task_id: str, attempt: int, by: str | None = None) -> str:
-    """One id for the outcomes one recorder (a worker ``by``, or the router and reaper) gives
-    one attempt: JetStream keeps the first, drops the others. Per recorder, so that nobody's
-    outcome can take the place of another's (readers keep an attempt's first accepted one)."""
-    return f"{task_id}:{attempt}:outcome" if by is None else f"{task_id}:{attempt}:outcome:{by}"
 
 
 async def store_outcome(
@@ -72,7 +66,7 @@ async def store_outcome(
             await publish_event(
                 js,
                 outcome,
-                msg_id=outcome_msg_id(outcome.task_id, outcome.attempt, by),
+                msg_id=message_ids.outcome(outcome.task_id, outcome.attempt, by),
                 by=by,
                 expect_last=fence,
             )

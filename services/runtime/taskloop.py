@@ -53,6 +53,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
+from schemas import message_ids
 from schemas.events import WorkerRegistered
 from schemas.subjects import CANCEL_NOTICES
 from schemas.tasks import task_decoder
@@ -187,7 +188,9 @@ class TaskLoop:
         )
         # Stored once, however often it is asked (its id within the duplicate window).
         await answered(
-            lambda: publish_event(self.js, registered, msg_id=f"registered.{self.instance_id}"),
+            lambda: publish_event(
+                self.js, registered, msg_id=message_ids.registered(self.instance_id)
+            ),
             "the worker's registration",
         )
         await flush_written(self.nc)  # the cancel notices' subscription is in place

@@ -34,6 +34,7 @@ import msgspec
 import nats.js.errors
 from nats.aio.client import Client
 
+from schemas import message_ids
 from schemas.events import (
     AnyEvent,
     BenchFinished,
@@ -269,7 +270,7 @@ class Bench:
 
     async def _record(self, event: AnyEvent) -> None:
         index = getattr(event, "index", "")
-        msg_id = f"{self.report.run_id}:{type(event).__name__}:{index}"
+        msg_id = message_ids.bench_event(self.report.run_id, type(event).__name__, index)
         try:
             await publish_event(self.js, event, msg_id=msg_id)
         except Exception as exc:

@@ -22,6 +22,7 @@ from typing import Final, TypeVar
 import structlog
 from nats.js import JetStreamContext
 
+from schemas import message_ids
 from schemas.events import (
     AliasRemoved,
     AliasSet,
@@ -189,7 +190,7 @@ class StatsEndpoints:
         event = ExclusionWithdrawn(
             at=time.time(), exclusion_id=request.exclusion_id, reason=request.reason
         )
-        await self._publish(event, msg_id=f"{request.exclusion_id}:withdrawn")
+        await self._publish(event, msg_id=message_ids.exclusion_withdrawn(request.exclusion_id))
 
         async def projected() -> ExclusionView | None:
             view = await self.store.exclusion(request.exclusion_id)

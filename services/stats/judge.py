@@ -29,6 +29,7 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
+from schemas import message_ids
 from schemas.events import QualityScored
 from schemas.route import MAX_TIMEOUT_S
 from schemas.subjects import EVENTS_STREAM, quality_event
@@ -254,7 +255,7 @@ class Judge:
             ack = await publish_event(
                 self.js,
                 event,
-                msg_id=f"quality:{event.task_id}",
+                msg_id=message_ids.quality(event.task_id),
                 headers={"Nats-Expected-Last-Subject-Sequence": "0"},
             )
         except nats.js.errors.APIError as exc:

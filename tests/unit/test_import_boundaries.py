@@ -101,7 +101,8 @@ def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
             modules[name] = path
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for _, target in imported(path, root):
+        for _, module in imported(path, root):
+            target = module
             while target and target not in modules:  # an attribute: its module
                 target = target.rpartition(".")[0]
             if target and target != name and not name.startswith(f"{target}."):
@@ -126,7 +127,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
             elif nxt in stack:
                 low[node] = min(low[node], index[nxt])
         if low[node] == index[node]:
-            group = []
+            group: list[str] = []
             while not group or group[-1] != node:
                 group.append(stack.pop())
             if len(group) > 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas.workers import WorkerRecord
-from services.fleet.liveness import in_touch, is_fresh, is_live, live
+from services.fleet.liveness import in_touch, is_fresh, is_live, live, stale_in
 
 
 def record(worker_id: str, heartbeat_at: float, **fields: Any) -> WorkerRecord:
@@ -26,6 +26,13 @@ def record(worker_id: str, heartbeat_at: float, **fields: Any) -> WorkerRecord:
 def test_a_heartbeat_is_fresh_until_exactly_the_ttl() -> None:
     assert is_fresh(85.1, now=100.0, ttl_s=15.0)
     assert not is_fresh(85.0, now=100.0, ttl_s=15.0)
+
+
+def test_a_heartbeat_goes_stale_when_its_seconds_until_stale_run_out() -> None:
+    assert stale_in(90.0, now=100.0, ttl_s=15.0) == 5.0
+    assert is_fresh(90.0, now=100.0 + 4.9, ttl_s=15.0)
+    assert not is_fresh(90.0, now=100.0 + 5.0, ttl_s=15.0)
+    assert stale_in(80.0, now=100.0, ttl_s=15.0) <= 0  # stale already
 
 
 def test_a_stopping_worker_is_not_live_however_fresh() -> None:
