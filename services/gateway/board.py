@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+import msgspec
+
 from schemas.events import (
     AnyEvent,
     Durations,
@@ -111,9 +113,10 @@ class Submitted:
 Change = Ended | ReaperAction | Submitted
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """A done attempt, for the charts: its duration and speed, and the key's p50/p95 then."""
+class Sample(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A done attempt, for the charts: its duration and speed, and the key's p50/p95 then.
+    Sent to the page as an array (they are many): ``[index, at, model, worker, total_ms,
+    p50_ms, p95_ms, tokens_per_s, first_token_ms, load_ms]``."""
 
     index: int
     at: float

@@ -26,7 +26,6 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from services.gateway.common import encoder
-from services.gateway.dashboard_view import sample_rows
 from services.gateway.feed import Feed
 
 # The files under static/ the page uses, with their types.
@@ -102,7 +101,7 @@ class Dashboard:
         if not feed.encoded:
             feed.build(time.time())
         body = b"{" + b",".join(b'"%s":%s' % (k.encode(), v) for k, v in feed.encoded.items())
-        samples = encoder.encode(sample_rows(list(feed.known.board.samples)))
+        samples = encoder.encode(list(feed.known.board.samples))
         body += b',"samples":' + samples + b"}"
         return web.Response(body=body, content_type="application/json", headers=SAFE_HEADERS)
 
@@ -132,7 +131,7 @@ class Dashboard:
             if cursor < 0 or newest > cursor:
                 samples = board.samples_after(max(cursor, 0))
                 event = "series" if cursor < 0 else "samples"
-                parts.append(frame(event, encoder.encode(sample_rows(samples))))
+                parts.append(frame(event, encoder.encode(samples)))
                 cursor = newest
             await response.write(b"".join(parts) if parts else b": keep-alive\n\n")
             await feed.pulse.wait(KEEPALIVE_S)

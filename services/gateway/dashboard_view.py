@@ -22,7 +22,7 @@ from schemas.workers import WorkerRecord
 from services.fleet.liveness import is_live
 from services.fleet.policy import tier_label
 from services.gateway.bench_history import BenchHistory, BenchSeries
-from services.gateway.board import Ended, ReaperAction, Sample, TaskBoard
+from services.gateway.board import Ended, ReaperAction, TaskBoard
 from services.gateway.metrics import Gauges, WorkerGauge
 
 # Tasks listed as queued or running (the counts cover all of them).
@@ -85,23 +85,6 @@ class ActionRow(msgspec.Struct, frozen=True, kw_only=True):
     task_id: str | None = None
     attempt: int = 0
     worker: str | None = None
-
-
-class SampleRow(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """One done attempt for the charts, as an array (they are many):
-    ``[index, at, model, worker, total_ms, p50_ms, p95_ms, tokens_per_s, first_token_ms,
-    load_ms]``."""
-
-    index: int
-    at: float
-    model: str
-    worker: str
-    total_ms: float
-    p50_ms: float
-    p95_ms: float
-    tokens_per_s: float | None
-    first_token_ms: float | None
-    load_ms: float | None
 
 
 class ColdLoads(msgspec.Struct, frozen=True, kw_only=True):
@@ -229,24 +212,6 @@ def action_rows(actions: list[ReaperAction]) -> list[ActionRow]:
             worker=a.worker,
         )
         for a in reversed(actions)
-    ]
-
-
-def sample_rows(samples: list[Sample]) -> list[SampleRow]:
-    return [
-        SampleRow(
-            index=s.index,
-            at=s.at,
-            model=s.model,
-            worker=s.worker,
-            total_ms=s.total_ms,
-            p50_ms=s.p50_ms,
-            p95_ms=s.p95_ms,
-            tokens_per_s=s.tokens_per_s,
-            first_token_ms=s.first_token_ms,
-            load_ms=s.load_ms,
-        )
-        for s in samples
     ]
 
 
