@@ -47,18 +47,15 @@ from schemas.subjects import (
     task_event_source,
     worker_consumer,
 )
-from schemas.workers import worker_record_decoder
 from services.fleet.figures import decode_figure
 from services.fleet.liveness import is_live, live
 from services.fleet.policy import SHARED_WORKER
-from services.fleet.settling import SettlingTracker
 from services.reaper.view import ConsumerSample, ReaperView
 from services.runtime.lifecycle import TaskSet
+from services.runtime.registry import RegistryFeed
 from services.runtime.settings import ReaperSettings
-from services.runtime.stall import watch_stalls
 from services.runtime.watch import (
     RECONNECT_CHECK_S,
-    BucketCursor,
     follow_bucket,
     reconnects,
     value_of,
@@ -84,37 +81,15 @@ class Feeds:
         self.settings = settings
         self._last_seq = 0
         self._events_sub: JetStreamContext.PushSubscription | None = None
-        self.settling = SettlingTracker(reconnects(nc), time.time())
-        self.cursor = BucketCursor(nc)  # how far the registry's watch has read
+        self.registry = RegistryFeed(nc, view, settings.worker_ttl_s, role="reaper")
 
     async def start(
         self, workers: KeyValue, asleep: KeyValue, stats: KeyValue, tasks: TaskSet
     ) -> None:
         """Follow the buckets and the event log (in ``tasks``); return once they are read."""
         ready = [asyncio.Event(), asyncio.Event(), asyncio.Event()]
-        tasks.spawn(
-            follow_bucket(
-                self.nc,
-                workers,
-                self._on_worker,
-                ready[0],
-                on_watch=lambda generation: self.notice_reconnect(time.time(), generation),
-                on_read=self.settling.read,
-                cursor=self.cursor,
-            ),
-            name="watch-workers",
-        )
+        self.registry.follow(self.js, workers, ready[0], tasks)
         tasks.spawn(follow_bucket(self.nc, asleep, self._on_asleep, ready[1]), name="watch-asleep")
-        tasks.spawn(
-            watch_stalls(
-                self.js,
-                self.settling,
-                self.view.workers.values,
-                self.cursor,
-                self.settings.worker_ttl_s,
-            ),
-            name="registry-stalls",
-        )
         tasks.spawn(follow_bucket(self.nc, stats, self._on_figure, ready[2]), name="watch-stats")
         since = datetime.datetime.fromtimestamp(
             time.time() - self.settings.reaper_lookback_s, tz=datetime.UTC
@@ -125,7 +100,7 @@ class Feeds:
         tasks.spawn(self._refollow_events(), name="refollow-events")
         await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), timeout=10)
         await self._catch_up()
-        self.settling.wait_for(time.time(), self._holders_not_live(time.time()))
+        self.registry.settling.wait_for(time.time(), self._holders_not_live(time.time()))
 
     def _holders_not_live(self, now: float) -> dict[str, float]:
         """The workers the event log says hold open tasks that the registry does not show
@@ -142,22 +117,9 @@ class Feeds:
                 awaited[holder] = record.heartbeat_at
         return awaited
 
-    def notice_reconnect(self, now: float, generation: int | None = None) -> None:
-        """A new connection to NATS makes the registry settle again, waiting for the workers
-        that were live when the bus went quiet."""
-        current = reconnects(self.nc) if generation is None else generation
-        ttl_s = self.settings.worker_ttl_s
-        if self.settling.reconnected(current, now, self.view.workers.values(), ttl_s):
-            log.info(
-                "reading the registry again after a reconnect",
-                awaited=sorted(self.settling.state.awaited),
-                within_s=ttl_s,
-            )
-
     def settled(self, now: float) -> bool:
         """May a worker be judged not live at ``now`` (`services.fleet.settling`)?"""
-        self.notice_reconnect(now)
-        return self.settling.settled(now, self.settings.worker_ttl_s)
+        return self.registry.settled(now)
 
     async def stop(self) -> None:
         """Stop following the event log (the bucket watches end with their tasks)."""
@@ -217,15 +179,6 @@ class Feeds:
                 with suppress(Exception):
                     await stale.unsubscribe()
             log.info("following the event log again after a reconnect", from_seq=self._last_seq + 1)
-
-    def _on_worker(self, entry: KeyValue.Entry) -> None:
-        if (value := value_of(entry)) is None:
-            self.view.remove_worker(entry.key)
-            self.settling.remove(entry.key)
-        else:
-            record = worker_record_decoder.decode(value)
-            self.view.put_worker(record)
-            self.settling.put(record)
 
     def _on_figure(self, entry: KeyValue.Entry) -> None:
         """A figure was published; a deleted one leaves the last value in place."""

@@ -161,7 +161,7 @@ class Reaper:
                 "failed": self.handler.failed,
                 "duplicates": self.handler.duplicates,
                 "settling": not self.feeds.settled(time.time()),
-                "settling_since": self.feeds.settling.state.since,
+                "settling_since": self.feeds.registry.settling.state.since,
             }
         )
 

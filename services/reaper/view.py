@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, assert_never
 
@@ -301,6 +301,9 @@ class ReaperView:
         """Its lease was released or expired: it is gone, and so are its instances."""
         self.workers.pop(worker_id, None)
         self.instances.pop(worker_id, None)
+
+    def records(self) -> Iterable[WorkerRecord]:
+        return self.workers.values()
 
     def seen(self, worker_id: str, instance_id: str, host: str, at: float) -> None:
         """A heartbeat or registration of one instance of ``worker_id``."""

@@ -1,6 +1,6 @@
 """The router's views of the ``asleep`` and ``stats`` buckets: each entry the KV watch
 (`services.runtime.watch.follow_bucket`) delivers, applied to the fleet view. (The
-``workers`` bucket has its own feed: `services.router.registry`.)"""
+``workers`` bucket has its own feed: `services.runtime.registry`.)"""
 
 from __future__ import annotations
 

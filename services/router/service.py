@@ -64,7 +64,6 @@ from services.router.listing import Problems, workers_reply
 from services.router.peers import Peers
 from services.router.reaper_watch import ReaperWatch
 from services.router.records import outcome_reply, queued_reply
-from services.router.registry import RegistryFeed
 from services.router.relay import ChunkRelay
 from services.router.requests import Admitted, admit
 from services.router.submit import AlreadySubmitted
@@ -82,6 +81,7 @@ from services.runtime.bus import (
 )
 from services.runtime.endpoints import add_endpoint, reply_subject
 from services.runtime.lifecycle import TaskSet, close_bus, stop_within
+from services.runtime.registry import RegistryFeed
 from services.runtime.request import new_task_id
 from services.runtime.settings import RouterSettings
 from services.runtime.watch import follow_bucket
@@ -105,7 +105,7 @@ class Router:
         self.view = FleetView()
         # Until the registry has been read (again, after a reconnect), no request is refused
         # for want of a live worker (`services.fleet.settling`).
-        self.registry = RegistryFeed(nc, self.view, settings.worker_ttl_s)
+        self.registry = RegistryFeed(nc, self.view, settings.worker_ttl_s, role="router")
         self.aliases = AliasFollower(self.js)
         self.tasks = TaskSet()
         self.waker = Waker(self.js, settings, self.tasks)

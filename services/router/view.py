@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from schemas.workers import WorkerRecord
@@ -40,6 +41,9 @@ class FleetView:
 
     def remove_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+
+    def records(self) -> Iterable[WorkerRecord]:
+        return self.workers.values()
 
     def put_sleeper(self, record: WorkerRecord) -> None:
         self.sleepers[record.worker_id] = record
