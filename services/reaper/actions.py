@@ -43,7 +43,6 @@ from nats.js.errors import APIError, NotFoundError
 from schemas import message_ids
 from schemas.events import (
     TaskFailed,
-    TaskRouted,
     TaskSubmitted,
     WorkerDuplicate,
     encoder,
@@ -51,8 +50,8 @@ from schemas.events import (
 )
 from schemas.route import CancelNotice
 from schemas.subjects import TASKS_STREAM, cancel_notice, task_event
-from schemas.tasks import TaskMessage
 from services.errors import SubmissionLost
+from services.fleet.dispatch import routed_event, task_message
 from services.reaper.decisions import Fail, Move
 from services.reaper.detectors import DuplicateFinding
 from services.runtime.bus import publish_event
@@ -127,15 +126,13 @@ class Actions:
         decision = move.decision
         routed = await publish_event(
             self.js,
-            TaskRouted(
-                at=time.time(),
-                task_id=move.task_id,
-                attempt=move.attempt,
-                worker=decision.worker_id,
-                queue=decision.queue,
+            routed_event(
+                submitted,
+                move.attempt,
+                decision,
                 reason=move.reason,
-                model=submitted.model,
                 domain=move.domain,
+                at=time.time(),
             ),
             msg_id=message_ids.routed(move.task_id, move.attempt),
         )
@@ -148,15 +145,8 @@ class Actions:
         )
         await self.nc.publish(cancel_notice(move.task_id), encoder.encode(notice))
         await self.remove(copies)
-        message = TaskMessage(
-            task_id=move.task_id,
-            attempt=move.attempt,
-            model=submitted.model,
-            timeout_s=submitted.timeout_s,
-            submitted_at=submitted.at,
-            work=submitted.work,
-            routed_seq=int(routed.seq),  # a repeated move gets the first one's sequence
-        )
+        # A repeated move gets the first one's sequence.
+        message = task_message(submitted, move.attempt, int(routed.seq))
         await self.js.publish(
             decision.queue,
             encoder.encode(message),

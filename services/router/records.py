@@ -1,7 +1,8 @@
 """What the router records and queues for a task, and what it answers. Pure: no I/O.
 
-The events (``submitted``, ``routed``, the ``failed`` of a task the router could not queue or
-whose woken worker never started it), the task message a worker takes, and the route reply
+The events (``submitted``, the ``failed`` of a task the router could not queue or whose woken
+worker never started it; an attempt's ``routed`` event and task message are
+`services.fleet.dispatch`'s), and the route reply
 built from a task's outcome, with its failure as data (``failure``: code and reason apart).
 """
 
@@ -9,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from schemas.events import TaskCompleted, TaskFailed, TaskRouted, TaskSubmitted
+from schemas.events import TaskCompleted, TaskFailed, TaskSubmitted
 from schemas.route import ErrorDetail, RouteReply
-from schemas.tasks import TaskMessage
 from services.errors import Unavailable, WakeTimeout
 from services.fleet.policy import Decision
 from services.router.decide import Submission
@@ -28,34 +28,6 @@ def submitted_event(task: Submission) -> TaskSubmitted:
         timeout_s=task.timeout_s,
         client=request.client,
         work=task.work,
-    )
-
-
-def routed_event(task: Submission, at: float) -> TaskRouted:
-    decision = task.decision
-    return TaskRouted(
-        at=at,
-        task_id=task.task_id,
-        attempt=1,
-        worker=decision.worker_id,
-        queue=decision.queue,
-        reason=decision.reason,
-        model=task.request.model,
-        domain=task.plan.domain,
-    )
-
-
-def task_message(task: Submission, routed_seq: int) -> TaskMessage:
-    """The message on the worker's queue; ``routed_seq`` is its ``routed`` event's sequence."""
-    request = task.request
-    return TaskMessage(
-        task_id=task.task_id,
-        attempt=1,
-        model=request.model,
-        timeout_s=task.timeout_s,
-        submitted_at=task.submitted_at,
-        work=task.work,
-        routed_seq=routed_seq,
     )
 
 

@@ -31,9 +31,10 @@ from schemas import message_ids
 from schemas.events import TaskRouted, encoder, task_event_decoder
 from schemas.subjects import task_event
 from services.errors import Unavailable
+from services.fleet.dispatch import routed_event, task_message
 from services.fleet.policy import Decision
 from services.router.decide import Submission
-from services.router.records import routed_event, submitted_event, task_message, unqueued_failure
+from services.router.records import submitted_event, unqueued_failure
 from services.runtime.bus import publish_event
 from services.runtime.outcomes import last_on
 from services.runtime.tracing import inject_context
@@ -97,16 +98,13 @@ async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int
     # is queued only once both are stored.
     submitted: object
     routed: PubAck | BaseException
-    routed_at = time.time()
+    event = submitted_event(task)
+    first = routed_event(
+        event, 1, decision, reason=decision.reason, domain=task.plan.domain, at=time.time()
+    )
     submitted, routed = await asyncio.gather(
-        through_outage(
-            lambda: publish_event(js, submitted_event(task), msg_id=message_ids.submitted(task_id))
-        ),
-        through_outage(
-            lambda: publish_event(
-                js, routed_event(task, routed_at), msg_id=message_ids.routed(task_id, 1)
-            )
-        ),
+        through_outage(lambda: publish_event(js, event, msg_id=message_ids.submitted(task_id))),
+        through_outage(lambda: publish_event(js, first, msg_id=message_ids.routed(task_id, 1))),
         return_exceptions=True,
     )
     if isinstance(routed, BaseException):
@@ -116,13 +114,13 @@ async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int
             failed
         )
     if routed.duplicate:
-        await _check_own_routing(js, task_id, routed_at)
+        await _check_own_routing(js, task_id, first.at)
     if isinstance(submitted, BaseException):
         # This request's routing must end: the reaper would otherwise look for it.
         reason = f"its submission was not stored ({submitted})"
         await fail_unqueued(js, task_id, decision, reason, int(routed.seq) if fences else None)
         raise Unavailable(f"could not record the task: {submitted!r}") from submitted
-    message = encoder.encode(task_message(task, int(routed.seq)))
+    message = encoder.encode(task_message(event, 1, int(routed.seq)))
     # The worker continues this request's trace (traceparent).
     headers = inject_context({"Nats-Msg-Id": message_ids.task_message(task_id, 1)})
     try:

@@ -10,9 +10,10 @@ from schemas.events import TaskRouted, TaskSubmitted, any_event_decoder, task_ev
 from schemas.route import ChatMessage, RouteRequest, ToolCall
 from schemas.tasks import TaskMessage, task_decoder
 from schemas.work import Work
+from services.fleet.dispatch import routed_event, task_message
 from services.fleet.policy import Decision
 from services.router.decide import Plan, submission
-from services.router.records import submitted_event, task_message
+from services.router.records import submitted_event
 
 PNG = "iVBORw0KGgo="
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
@@ -74,7 +75,9 @@ def test_the_router_nests_the_whole_work_in_the_event_and_the_message() -> None:
         reply_to="_INBOX.1",
     )
     event = task_event_decoder.decode(msgspec.json.encode(submitted_event(task)))
-    message = task_decoder.decode(msgspec.json.encode(task_message(task, routed_seq=7)))
+    message = task_decoder.decode(
+        msgspec.json.encode(task_message(submitted_event(task), 1, routed_seq=7))
+    )
     assert isinstance(event, TaskSubmitted)
     assert event.work == message.work == EVERYTHING
     assert b'"model":"m"' not in msgspec.json.encode(event.work)
@@ -160,3 +163,20 @@ def test_a_message_of_todays_shape_round_trips() -> None:
         task_id="t", attempt=3, model="m", timeout_s=1.0, submitted_at=0.0, work=EVERYTHING
     )
     assert task_decoder.decode(msgspec.json.encode(message)) == message
+
+
+def test_a_moved_attempt_goes_out_with_the_whole_work_as_submitted() -> None:
+    submitted = TaskSubmitted(
+        at=5.0, task_id="t-1", model="m", timeout_s=60.0, client="alice", work=EVERYTHING
+    )
+    elsewhere = Decision("cpu2", "cpu", "tasks.cpu.cpu2", "least loaded")
+    routed = routed_event(submitted, 3, elsewhere, reason="moved", domain="code", at=9.0)
+    message = task_message(submitted, 3, routed_seq=41)
+    assert (routed.attempt, routed.worker, routed.queue, routed.model) == (
+        3,
+        "cpu2",
+        "tasks.cpu.cpu2",
+        "m",
+    )
+    assert (message.attempt, message.routed_seq, message.submitted_at) == (3, 41, 5.0)
+    assert message.work == EVERYTHING
