@@ -96,9 +96,11 @@ _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class InvalidId(ValueError):
-    """An id that cannot be used as one subject token."""
+    """An id that cannot be used as one subject token. Below the error catalogue
+    (`services.errors`), it carries its code and HTTP status itself."""
 
     code = "invalid_id"
+    http_status = 400
 
     def __init__(self, kind: str, value: str) -> None:
         super().__init__(

@@ -32,6 +32,12 @@ class CoordinatorError(Exception):
     """The error's code: a class attribute, except on `RemoteError` and the gateway's
     ``ApiError``, which carry the code they were given."""
     retryable: ClassVar[bool] = False
+    http_status: ClassVar[int] = 500
+    """The HTTP status of a request refused with this code: the gateway's, for every API it
+    serves (Ollama's, OpenAI's)."""
+    failed_http_status: ClassVar[int] = 502
+    """The HTTP status of a task that ran and failed with this code: by default the upstream
+    (the model server) failed."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -75,6 +81,12 @@ def from_code(code: str, message: str) -> CoordinatorError:
     return cls(message) if cls is not None else RemoteError(code, message)
 
 
+def error_class(code: str) -> type[CoordinatorError]:
+    """The class that defines ``code``; `RemoteError` for a code none here names (what it
+    says of itself, its HTTP statuses, is then the root's)."""
+    return _catalogue.get(code, RemoteError)
+
+
 def catalogue() -> Mapping[str, type[CoordinatorError]]:
     """Every code registered so far and its class (read-only)."""
     return MappingProxyType(_catalogue)
@@ -86,6 +98,7 @@ class ConfigError(CoordinatorError):
 
 class BadRequest(CoordinatorError):
     code = "bad_request"
+    http_status = 400
 
 
 class PromptTooLarge(BadRequest):
@@ -97,6 +110,7 @@ class TooLarge(BadRequest):
     ``max_payload``): refused whole, never cut."""
 
     code = "too_large"
+    http_status = 413
 
 
 class UnsupportedCapability(BadRequest):
@@ -117,18 +131,21 @@ class NoWorker(CoordinatorError):
     """No live worker can serve the request right now."""
 
     code = "no_worker"
+    http_status = 404  # Ollama's status for an unknown model (503 when no worker is live)
 
 
 class WorkerUnavailable(NoWorker):
     """The designated worker cannot take the task; never silently rerouted."""
 
     code = "worker_unavailable"
+    http_status = 503
 
 
 class NoAlternativeWorker(NoWorker):
     """The reaper found no other live worker for a task it had to move (lesson 4)."""
 
     code = "no_alternative_worker"
+    http_status = 503
 
 
 class TooManyAttempts(CoordinatorError):
@@ -141,20 +158,24 @@ class WakeTimeout(CoordinatorError):
     """A sleeping worker was woken for a task but did not start it within ``WAKE_WAIT_S``."""
 
     code = "wake_timeout"
+    failed_http_status = 503
 
 
 class NotFound(CoordinatorError):
     code = "not_found"
+    http_status = 404
 
 
 class WaitTimeout(CoordinatorError):
     code = "timeout"
+    http_status = failed_http_status = 504
 
 
 class Unavailable(CoordinatorError):
     """A dependency (the bus, the database) did not answer."""
 
     code = "unavailable"
+    http_status = 503
     retryable = True
 
 
@@ -163,6 +184,7 @@ class NoResponder(CoordinatorError):
     time."""
 
     code = "no_responder"
+    http_status = 503
 
 
 class BackendError(CoordinatorError):
@@ -183,6 +205,7 @@ class BackendServerError(BackendError):
 
 class BackendTimeout(BackendError):
     code = "backend_timeout"
+    failed_http_status = 504
     retryable = True
 
     def __init__(self, message: str, *, stalled: bool = False) -> None:
@@ -283,6 +306,7 @@ class RebuildBusy(CoordinatorError):
     """A rebuild of the statistics is running already."""
 
     code = "busy"
+    http_status = 503
 
 
 class JudgeUnavailable(CoordinatorError):

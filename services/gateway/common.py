@@ -31,21 +31,11 @@ from schemas.route import (
 from schemas.subjects import InvalidId
 from services.errors import (
     BackendError,
-    BackendTimeout,
     BadRequest,
     CoordinatorError,
-    NoResponder,
-    NotFound,
     NoWorker,
-    PromptTooLarge,
-    RebuildBusy,
-    TooLarge,
-    Unavailable,
     Unsupported,
-    UnsupportedCapability,
-    WaitTimeout,
-    WakeTimeout,
-    WorkerUnavailable,
+    error_class,
 )
 from services.runtime.endpoints import decode_body
 
@@ -327,40 +317,23 @@ def vectors(reply: RouteReply) -> list[bytes]:
 
 # -- error statuses -----------------------------------------------------------------------------
 
-_REFUSAL_STATUS: Final = {
-    BadRequest.code: 400,
-    PromptTooLarge.code: 400,
-    Unsupported.code: 400,
-    UnsupportedCapability.code: 400,
-    InvalidId.code: 400,
-    NotFound.code: 404,
-    TooLarge.code: 413,
-    WorkerUnavailable.code: 503,
-    Unavailable.code: 503,
-    NoResponder.code: 503,
-    RebuildBusy.code: 503,
-    WaitTimeout.code: 504,
-}
-_FAILURE_STATUS: Final = {
-    BackendTimeout.code: 504,
-    WaitTimeout.code: 504,
-    WakeTimeout.code: 503,
-}
-
 
 def refusal_status(code: str, *, fleet_has_workers: bool) -> int:
-    """The HTTP status of a request the router (or the bus) refused.
+    """The HTTP status of a request the router (or the bus) refused: its error class's
+    (`services.errors`), or `InvalidId`'s.
 
     ``no_worker`` is an unknown model (404, Ollama's status for one) while some worker is
     live, and a fleet without capacity (503) when none is. A model no live worker's copy of
     can do what the request needs (``unsupported_capability``) is Ollama's 400.
     """
-    if code == NoWorker.code:
-        return 404 if fleet_has_workers else 503
-    return _REFUSAL_STATUS.get(code, 500)
+    if code == NoWorker.code and not fleet_has_workers:
+        return 503
+    if code == InvalidId.code:
+        return InvalidId.http_status
+    return error_class(code).http_status
 
 
 def failure_status(code: str) -> int:
-    """The HTTP status of a task that ran and failed: the upstream failed (502), or timed out
-    (504), or a sleeping worker did not wake (503)."""
-    return _FAILURE_STATUS.get(code, 502)
+    """The HTTP status of a task that ran and failed, its error class's: the upstream failed
+    (502), or timed out (504), or a sleeping worker did not wake (503)."""
+    return error_class(code).failed_http_status

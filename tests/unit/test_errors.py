@@ -200,3 +200,13 @@ def test_every_code_is_named_in_the_interface_pages() -> None:
         code for code in catalogue(errors.CoordinatorError) if f"`{code}`" not in pages
     )
     assert not missing, missing
+
+
+def test_every_code_carries_its_http_statuses() -> None:
+    """The gateway answers each code with its class's statuses, for every API it serves."""
+    for code, cls in errors.catalogue().items():
+        assert 400 <= cls.http_status < 600, code
+        assert 500 <= cls.failed_http_status < 600, code
+    assert errors.error_class("no_alternative_worker").http_status == 503
+    assert errors.error_class("backend_timeout").failed_http_status == 504
+    assert errors.error_class("a_code_from_a_newer_service") is errors.RemoteError
