@@ -4,6 +4,7 @@ final message read as a reply or an error, and the cancel of a task whose client
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import suppress
 from typing import Final
 
@@ -15,10 +16,18 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from schemas.queries import WorkersReply, WorkerView
-from schemas.route import CHUNK_HEADER, CancelRequest, ErrorBody, RouteReply, failure_of
+from schemas.route import CHUNK_HEADER, CancelRequest, RouteReply, StreamChunk, failure_of
 from schemas.subjects import CANCEL, WORKERS
-from services.errors import NoResponder, NotFound, NoWorker, TooLarge, WaitTimeout
+from services.errors import (
+    CoordinatorError,
+    NoResponder,
+    NotFound,
+    NoWorker,
+    TooLarge,
+    WaitTimeout,
+)
 from services.gateway.common import ApiError, encoder, failure_status, refusal_status
+from services.runtime.request import raise_if_error
 
 log = structlog.get_logger("gateway")
 
@@ -29,7 +38,6 @@ CANCEL_TRIES: Final = 3
 CANCEL_RETRY_S: Final = 0.2
 
 _reply_decoder = msgspec.json.Decoder(RouteReply)
-_error_decoder = msgspec.json.Decoder(ErrorBody)
 _workers_decoder = msgspec.json.Decoder(WorkersReply)
 
 
@@ -102,11 +110,11 @@ class FleetBus:
                 f"the request is {len(body)} bytes, over what one NATS message can hold "
                 f"({self.nc.max_payload} bytes, the server's max_payload)",
             ) from None
-        headers = reply.headers or {}
-        code = headers.get("Nats-Service-Error-Code")
-        if code is not None:
-            status = refusal_status(code, fleet_has_workers=True)
-            raise ApiError(status, code, _error_message(reply.data, headers))
+        try:
+            raise_if_error(reply.data, reply.headers or {})
+        except CoordinatorError as exc:
+            status = refusal_status(exc.code, fleet_has_workers=True)
+            raise ApiError(status, exc.code, exc.message) from None
         return reply.data
 
     async def workers(self) -> list[WorkerView]:
@@ -122,21 +130,28 @@ class FleetBus:
         except ApiError:
             return False
 
-    async def final(
-        self, data: bytes, headers: dict[str, str], *, failed_is_error: bool = True
-    ) -> RouteReply:
-        """The router's last message as a reply; refusals (and, ``failed_is_error``, failed
-        tasks) as `ApiError`."""
-        if headers.get("Status") == "503":
-            raise ApiError(503, NoResponder.code, "no router answers coordinator.route")
-        code = headers.get("Nats-Service-Error-Code")
-        if code is not None:
-            message = _error_message(data, headers)
-            has_workers = await self.has_workers() if code == NoWorker.code else False
-            status = refusal_status(code, fleet_has_workers=has_workers)
-            if status == 404 and code == NoWorker.code:
+    async def refusals(
+        self, items: AsyncIterator[StreamChunk | bytes]
+    ) -> AsyncIterator[StreamChunk | bytes]:
+        """A streamed request's chunks and final reply, its errors as `ApiError` with their
+        classes' statuses. ``no_worker`` is an unknown model ("model not found", 404) while
+        some worker is live, a fleet without capacity (503) when none is."""
+        try:
+            async for item in items:
+                yield item
+        except ApiError:
+            raise
+        except CoordinatorError as exc:
+            message = exc.message
+            has_workers = await self.has_workers() if exc.code == NoWorker.code else False
+            status = refusal_status(exc.code, fleet_has_workers=has_workers)
+            if status == 404 and exc.code == NoWorker.code:
                 message = f"model not found: {message}"
-            raise ApiError(status, code, message)
+            raise ApiError(status, exc.code, message) from exc
+
+    @staticmethod
+    def final(data: bytes, *, failed_is_error: bool = True) -> RouteReply:
+        """The router's final reply; a failed task (``failed_is_error``) as `ApiError`."""
         reply = _reply_decoder.decode(data)
         if reply.status == "failed" and failed_is_error:
             failure = failure_of(reply)
@@ -184,10 +199,3 @@ def drain(queue: asyncio.Queue[Msg]) -> list[Msg]:
     while not queue.empty():
         msgs.append(queue.get_nowait())
     return msgs
-
-
-def _error_message(data: bytes, headers: dict[str, str]) -> str:
-    try:
-        return _error_decoder.decode(data).error.message
-    except msgspec.DecodeError:
-        return headers.get("Nats-Service-Error", "") or "error"

@@ -10,7 +10,9 @@ status. Every relayed request ends in one ``request`` log line.
 Each request names its task (``task_id``, chosen here), so when the router says nothing for
 ``GATEWAY_REASK_S`` (it died with the answer, or the connection lost it) the same request is sent
 again: a router answers it as the task it names (`services.router.following`), and a stream
-gets the rest of the answer that its lost pieces held. A stream's pieces are written as
+gets the rest of the answer that its lost pieces held. The protocol is spoken by
+`services.runtime.request.StreamedRequest`, as the CLI speaks it; its errors become the API's
+statuses here (`FleetBus.refusals`). A stream's pieces are written as
 `services.gateway.streamed` says: a task run again by a newer attempt neither repeats nor
 garbles what was written, and ends in the API's mid-stream error when its answer does not
 continue it.
@@ -27,16 +29,16 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client
 
-from schemas.route import CHUNK_HEADER, RouteRequest, StreamChunk
+from schemas.route import RouteRequest, StreamChunk
 from schemas.subjects import ROUTE
-from services.errors import TooLarge, WaitTimeout
+from services.errors import TooLarge
 from services.gateway.bus import FleetBus, next_msg
 from services.gateway.common import ApiError, Shape
 from services.gateway.responses import JSON, error_response
 from services.gateway.streamed import Sent
 from services.gateway.task_api import TaskShape
 from services.runtime.lifecycle import TaskSet
-from services.runtime.request import new_task_id
+from services.runtime.request import StreamedRequest, new_task_id
 from services.runtime.settings import GatewaySettings
 
 log = structlog.get_logger("gateway")
@@ -89,52 +91,45 @@ class Relay:
                     f"server's max_payload of {self.nc.max_payload} bytes (set "
                     "GATEWAY_MAX_BODY_BYTES below it, or raise max_payload on every server)",
                 )
-            await self.nc.publish(ROUTE, encoded, reply=inbox)
-            wait_s = self._wait_s(route)
-            heard = time.monotonic()
+            call = StreamedRequest(
+                self.nc,
+                ROUTE,
+                encoded,
+                inbox=inbox,
+                next_msg=lambda timeout_s: next_msg(queue, timeout_s),
+                timeout_s=self._wait_s(route),
+                reask_s=self.settings.gateway_reask_s,
+                on_ask_again=lambda: log.info(
+                    "no word from the router; asking again by task id", task_id=route.task_id
+                ),
+            )
             sent = Sent(route.task_id)  # what the stream has written of the answer
-            while True:
-                silent_s = time.monotonic() - heard
-                reask_s = self.settings.gateway_reask_s
-                msg = await next_msg(queue, max(min(wait_s - silent_s, reask_s), 0.001))
-                if msg is None:
-                    if time.monotonic() - heard >= wait_s:
-                        raise ApiError(
-                            504, WaitTimeout.code, f"no answer from the router within {wait_s:g} s"
-                        )
-                    await self._ask_again(route.task_id, encoded, inbox)
-                    sent.asked_again = True
-                    continue
-                headers = msg.headers or {}
-                if sent.asked_again and headers.get("Status") == "503":
-                    continue  # no router just now: the next silence asks again
-                heard = time.monotonic()
-                if CHUNK_HEADER in headers:
-                    chunk = _chunk_decoder.decode(msg.data)
-                    task_id = chunk.task_id
-                    fresh = sent.add(chunk)
-                    piece = None if fresh is None else shape.piece(fresh)
-                    if response is None and (piece is not None or shape.start_on_accept):
-                        response = await self._start(request, shape, task_id)
-                    if piece is not None and response is not None:
-                        await response.write(piece)
-                    continue
-                reply = await self.bus.final(
-                    msg.data, headers, failed_is_error=not isinstance(shape, TaskShape)
-                )
-                task_id = reply.task_id
-                if not stream:
-                    return web.Response(
-                        body=shape.whole(reply), content_type=JSON, headers={TASK_HEADER: task_id}
-                    )
-                if response is None:
+            final = b""
+            async for item in self.bus.refusals(call.replies()):
+                if isinstance(item, bytes):
+                    final = item  # the last item: the reply
+                    break
+                task_id = item.task_id
+                fresh = sent.add(item)
+                piece = None if fresh is None else shape.piece(fresh)
+                if response is None and (piece is not None or shape.start_on_accept):
                     response = await self._start(request, shape, task_id)
-                rest = sent.rest(reply)
-                if rest is not None and (piece := shape.piece(rest)) is not None:
+                if piece is not None and response is not None:
                     await response.write(piece)
-                await response.write(shape.end(reply))
-                await response.write_eof()
-                return response
+            reply = self.bus.final(final, failed_is_error=not isinstance(shape, TaskShape))
+            task_id = reply.task_id
+            if not stream:
+                return web.Response(
+                    body=shape.whole(reply), content_type=JSON, headers={TASK_HEADER: task_id}
+                )
+            if response is None:
+                response = await self._start(request, shape, task_id)
+            rest = sent.rest(reply)
+            if rest is not None and (piece := shape.piece(rest)) is not None:
+                await response.write(piece)
+            await response.write(shape.end(reply))
+            await response.write_eof()
+            return response
         except ApiError as exc:
             status, code = exc.status, exc.code
             if response is None:
@@ -161,15 +156,6 @@ class Relay:
                 stream=stream,
                 ms=round((time.perf_counter() - started) * 1000, 2),
             )
-
-    async def _ask_again(self, task_id: str | None, encoded: bytes, inbox: str) -> None:
-        """No word from the router for ``GATEWAY_REASK_S``: the same request again, which a router
-        answers as the task it names (a dead router's answer is lost with it)."""
-        log.info("no word from the router; asking again by task id", task_id=task_id)
-        try:
-            await self.nc.publish(ROUTE, encoded, reply=inbox)
-        except Exception as exc:  # reconnecting: the next silence asks again
-            log.warning("asking again failed", task_id=task_id, error=repr(exc))
 
     async def _start(self, request: web.Request, shape: Shape, task_id: str) -> web.StreamResponse:
         response = web.StreamResponse(

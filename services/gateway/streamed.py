@@ -63,7 +63,6 @@ class Sent:
 
     def __init__(self, task_id: str | None = None) -> None:
         self.task_id = task_id
-        self.asked_again = False
         self.written = Answer()
         self.attempt = 0
         """The attempt whose pieces are being written (0: none came yet)."""

@@ -9,9 +9,11 @@ a request over the server's ``max_payload`` `TooLarge`, a closed or reconnecting
 `Unavailable`.
 
 A route request that waits names its task (`new_task_id`) and is asked again, with the same
-id, when the router goes silent for too long (`stream_call`'s ``reask_s``): a router answers
-such a request as the task it names, so a client whose router died while it waited (or whose
-connection dropped the answer) still gets the outcome.
+id, when the router goes silent for too long (``reask_s``): a router answers such a request
+as the task it names, so a client whose router died while it waited (or whose connection
+dropped the answer) still gets the outcome. `StreamedRequest` is that protocol's one client:
+the CLI uses it through `stream_call` (a reply subject of its own), the gateway with the reply
+subject it shares between requests.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Final
 
 import msgspec
 import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from schemas.route import CHUNK_HEADER, ErrorBody, StreamChunk
 from services.errors import (
@@ -33,6 +36,7 @@ from services.errors import (
     NoResponder,
     TooLarge,
     Unavailable,
+    WaitTimeout,
     from_code,
 )
 from services.runtime.tracing import inject_context
@@ -177,6 +181,133 @@ def raise_if_error(data: bytes, headers: dict[str, str]) -> None:
     raise from_code(detail.code, detail.message)
 
 
+NextMsg = Callable[[float], Awaitable[Msg | None]]
+"""The next reply on a request's reply subject within that many seconds; None after as long a
+silence. Its owner (a subscription of its own, or a reply subject shared by many requests)
+decides how replies arrive."""
+
+
+class StreamedRequest:
+    """One request whose answer comes as chunks, then one final reply: the route protocol,
+    as every caller speaks it (the CLI through `stream_call`, the gateway with its shared
+    reply subject). In steps: `send`, `replies` (each reply read: a chunk, the final reply, a
+    silence or a refusal handled), `_ask_again`.
+
+    ``timeout_s`` bounds the silence before the answer's end. With ``reask_s`` (a request
+    that can be asked again, such as a route request naming its task), a silence that long
+    sends the request again to the same reply subject, and a bus with nobody to answer at
+    that moment (a router restarting) is waited out rather than an error. With ``unserved``
+    as well, a request that nobody can serve just now (nobody listens on ``subject`` before a
+    service took it, or an ``unavailable`` reply) is asked again every `ASK_AGAIN_EVERY_S`
+    for as long as it allows before its error is raised. Errors are raised as the catalogued
+    classes of their codes; a silence of ``timeout_s`` is `WaitTimeout`.
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        subject: str,
+        body: bytes,
+        *,
+        inbox: str,
+        next_msg: NextMsg,
+        timeout_s: float,
+        reask_s: float | None = None,
+        unserved: _Unserved | None = None,
+        on_ask_again: Callable[[], None] | None = None,
+    ) -> None:
+        self.nc = nc
+        self.subject = subject
+        self.body = body
+        self.inbox = inbox
+        self.next_msg = next_msg
+        self.timeout_s = timeout_s
+        self.reask_s = reask_s
+        self.unserved = unserved
+        self.on_ask_again = on_ask_again
+        self.headers = inject_context({}) or None
+        self.asked_again = False
+        """Asked again after a silence: a "no responders" answer then only means that nobody
+        was there to take the repeat, and the next silence asks again."""
+        self.heard = time.monotonic()
+
+    async def send(self) -> None:
+        with _bus_errors(self.subject):
+            await self.nc.publish(self.subject, self.body, reply=self.inbox, headers=self.headers)
+        self.heard = time.monotonic()
+
+    async def replies(self) -> AsyncIterator[StreamChunk | bytes]:
+        """Send the request, then yield its chunks and, last, its final reply's bytes."""
+        await self.send()
+        while True:
+            msg = await self._next()
+            if msg is None:
+                continue  # a silence, asked again
+            headers = msg.headers or {}
+            if headers.get("Status") == "503":
+                if not self.asked_again:
+                    await self._unserved(
+                        NoResponder(f"no service answers {self.subject}: is the stack running?")
+                    )
+                continue
+            self.heard = time.monotonic()
+            if CHUNK_HEADER in headers:
+                if self.unserved is not None:
+                    self.unserved.end()
+                yield _chunk_decoder.decode(msg.data)
+                continue
+            try:
+                raise_if_error(msg.data, headers)
+            except Unavailable as exc:
+                await self._unserved(exc)
+                continue
+            yield msg.data
+            return
+
+    async def _next(self) -> Msg | None:
+        """The next reply; None after a silence that asked the request again. Raises when
+        the silence has lasted ``timeout_s`` (or would not be asked again)."""
+        silent_s = time.monotonic() - self.heard
+        wait_s = self.timeout_s - silent_s
+        if self.reask_s is not None:
+            wait_s = min(wait_s, self.reask_s)
+        failed: Unavailable | None = None
+        try:
+            with _bus_errors(self.subject):
+                msg = await self.next_msg(max(wait_s, 0.001))
+        except Unavailable as exc:  # the connection is reconnecting
+            msg, failed = None, exc
+        if msg is not None:
+            return msg
+        if self.reask_s is None or time.monotonic() - self.heard >= self.timeout_s:
+            if failed is not None:
+                raise failed
+            raise WaitTimeout(f"{self.subject}: nothing arrived for {self.timeout_s:g} s")
+        if failed is not None:
+            await asyncio.sleep(min(self.reask_s, 1.0))  # ask once it is back
+        elif self.unserved is not None:
+            self.unserved.end()  # silence: a service holds the request
+        self.asked_again = True
+        await self._ask_again()
+        return None
+
+    async def _unserved(self, exc: Unavailable | NoResponder) -> None:
+        """Nobody could serve the request just now: ask again while ``unserved`` allows,
+        else raise ``exc``."""
+        if self.unserved is None:
+            raise exc
+        await self.unserved.wait(exc)
+        await self._ask_again()
+
+    async def _ask_again(self) -> None:
+        """The same request to the same reply subject (a router answers a route request
+        naming its task as that task); failing to send it is left to the next silence."""
+        if self.on_ask_again is not None:
+            self.on_ask_again()
+        with suppress(Unavailable, NoResponder), _bus_errors(self.subject):
+            await self.nc.publish(self.subject, self.body, reply=self.inbox, headers=self.headers)
+
+
 async def stream_call(
     nc: Client,
     subject: str,
@@ -187,75 +318,31 @@ async def stream_call(
     unserved_s: float | None = None,
     on_unserved: OnUnserved | None = None,
 ) -> AsyncIterator[StreamChunk | bytes]:
-    """A request whose answer comes as chunks, then one final reply (yielded as bytes).
-
-    The reply subject is subscribed before the request goes out, so no chunk can be missed;
-    ``timeout_s`` bounds the silence before the answer's end. With ``reask_s`` (a request
-    that can be asked again, such as a route request naming its task), a silence that long
-    sends the request again to the same reply subject, and a bus with nobody to answer at
-    that moment (a router restarting) is waited out rather than an error. With ``unserved_s``
-    as well, a request that nobody can serve just now (nobody listens on ``subject`` before a
-    service took it, or an ``unavailable`` reply) is asked again every `ASK_AGAIN_EVERY_S`
-    for up to ``unserved_s`` before its error is raised.
-    """
+    """A `StreamedRequest` on a reply subject of its own, subscribed before the request goes
+    out so that no chunk can be missed: its chunks, then its final reply (yielded as bytes).
+    ``unserved_s``: how long a request nobody can serve just now is asked again."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    headers = inject_context({}) or None
-    unserved = None if unserved_s is None else _Unserved(subject, unserved_s, on_unserved)
 
-    async def ask_again() -> None:
-        with suppress(Unavailable, NoResponder), _bus_errors(subject):
-            await nc.publish(subject, body, reply=inbox, headers=headers)
+    async def next_msg(timeout_s: float) -> Msg | None:
+        try:
+            return await sub.next_msg(timeout=timeout_s)
+        except nats.errors.TimeoutError:
+            return None
 
+    request = StreamedRequest(
+        nc,
+        subject,
+        body,
+        inbox=inbox,
+        next_msg=next_msg,
+        timeout_s=timeout_s,
+        reask_s=reask_s,
+        unserved=None if unserved_s is None else _Unserved(subject, unserved_s, on_unserved),
+    )
     try:
-        with _bus_errors(subject):
-            await nc.publish(subject, body, reply=inbox, headers=headers)
-        asked_again = False
-        heard = time.monotonic()
-        while True:
-            left = timeout_s - (time.monotonic() - heard)
-            wait = left if reask_s is None else min(left, reask_s)
-            try:
-                with _bus_errors(subject):
-                    msg = await sub.next_msg(timeout=max(wait, 0.001))
-            except (nats.errors.TimeoutError, Unavailable) as exc:
-                if reask_s is None or time.monotonic() - heard >= timeout_s:
-                    if isinstance(exc, Unavailable):
-                        raise
-                    raise NoResponder(f"{subject}: nothing arrived for {timeout_s:g} s") from exc
-                if isinstance(exc, Unavailable):
-                    await asyncio.sleep(min(reask_s, 1.0))  # reconnecting: ask once it is back
-                elif unserved is not None:
-                    unserved.end()  # silence: a service holds the request
-                asked_again = True
-                await ask_again()
-                continue
-            msg_headers = msg.headers or {}
-            if msg_headers.get("Status") == "503":
-                if asked_again:
-                    continue  # nobody there to ask again just now: the next silence asks again
-                nobody = NoResponder(f"no service answers {subject}: is the stack running?")
-                if unserved is None:
-                    raise nobody
-                await unserved.wait(nobody)
-                await ask_again()
-                continue
-            heard = time.monotonic()
-            if CHUNK_HEADER in msg_headers:
-                if unserved is not None:
-                    unserved.end()
-                yield _chunk_decoder.decode(msg.data)
-                continue
-            try:
-                raise_if_error(msg.data, msg_headers)
-            except Unavailable as exc:
-                if unserved is None:
-                    raise
-                await unserved.wait(exc)
-                await ask_again()
-                continue
-            yield msg.data
-            return
+        async for item in request.replies():
+            yield item
     finally:
         with suppress(Exception):
             await sub.unsubscribe()
