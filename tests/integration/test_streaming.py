@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import nats
+import pytest
 from nats.aio.client import Client
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.route import CHUNK_HEADER, RouteReply, StreamChunk
 from schemas.subjects import chunk_subject
+from services.errors import NoResponder, WaitTimeout
 from services.runtime.request import stream_call
 from tests.harness import (
     ServiceRunner,
@@ -138,3 +141,22 @@ async def test_a_chunk_from_a_worker_the_task_does_not_run_on_never_reaches_the_
     assert "FORGED" not in "".join(c.response for c in chunks)
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     assert "".join(c.response for c in chunks) == reply.response
+
+
+async def test_a_service_that_takes_a_request_and_never_answers_is_a_wait_timeout(
+    nats_server: NatsServer,
+) -> None:
+    """A streamed request whose service stays silent for its whole wait ends in `WaitTimeout`
+    (the gateway's 504), not in the "nobody answers" of a stack that is not running."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        taken = await nc.subscribe("silent.service")  # takes the request, answers nothing
+        with pytest.raises(WaitTimeout, match=r"nothing arrived for 0\.5 s"):
+            async for _ in stream_call(nc, "silent.service", b"{}", timeout_s=0.5):
+                pass
+        assert (await taken.next_msg(timeout=1)).data == b"{}"
+        with pytest.raises(NoResponder):  # nobody listens at all
+            async for _ in stream_call(nc, "nobody.listens", b"{}", timeout_s=5):
+                pass
+    finally:
+        await nc.close()
