@@ -19,8 +19,10 @@ from typing import Any
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsCluster, NatsServer, free_port
@@ -120,6 +122,20 @@ async def test_only_a_node_that_knows_the_cluster_password_joins(
             rogue.stop()
 
 
+async def _pulled(sub: JetStreamContext.PullSubscription, batch: int) -> list[Msg]:
+    """The next messages of a pull consumer. One just made may live on another node: until
+    its leader has subscribed and the routes carry that interest to this client's server, a
+    pull is answered 503 (no responders). That wait is waited out, within 10 s."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        try:
+            return await sub.fetch(batch, timeout=5)
+        except ServiceUnavailableError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
 async def put_fleet_data(url: str) -> dict[str, Any]:
     """Events, queued tasks, a value in every bucket and a consumer half way through the
     events, as the admin user; returns what each stream held."""
@@ -140,7 +156,7 @@ async def put_fleet_data(url: str) -> dict[str, Any]:
         sub = await js.pull_subscribe_bind(STATS_CONSUMER, EVENTS_STREAM)
         acked = 0
         while acked < 50:
-            for msg in await sub.fetch(50 - acked, timeout=5):
+            for msg in await _pulled(sub, 50 - acked):
                 await msg.ack_sync()
                 acked += 1
         infos = {name: await js.stream_info(name) for name in FLEET_STREAMS}
