@@ -7,14 +7,9 @@ client.
 Streaming is used even though the answer is returned whole: each chunk is a sign of life
 (the worker turns it into ``in_progress()``), and the first chunk gives time to first token.
 
-A generation on plain ``http://`` without a proxy, the worker's hot path, goes over the small
-HTTP/1.1 client (`http1`): inside a worker, aiohttp costs about 0.5 ms of CPU more per
-generation (``benchmarks/README.md``, "The one task loop against the tree before it"). Every
-other call (model list, show, embed, and generations over TLS or a proxy) goes over one
-aiohttp session (kept-alive connections, TLS, and a proxy from the environment as httpx
-would take it). A generation read to its end gives its connection back to the pool
-(`drain`); one given up (an error, a cancel, a timeout) closes it, which is what stops
-Ollama generating.
+Every call goes over the backends' one HTTP client (`services.backends.http`). A generation
+read to its end gives its connection back to the pool (`drain`); one given up (an error, a
+cancel, a timeout) closes it, which is what stops Ollama generating.
 """
 
 from __future__ import annotations
@@ -27,15 +22,12 @@ from typing import Any
 import aiohttp
 import msgspec
 import structlog
-from aiohttp.helpers import get_env_proxy_for_url
-from aiohttp.http_exceptions import LineTooLong
-from yarl import URL
 
 from schemas.events import Durations
 from schemas.models import ModelFacts
 from schemas.work import Work
 from services.backends import Embedding, Generation, OnChunk, Progress, answer_error, drain
-from services.backends.http1 import Http1ConnectTimeout, Http1Error, LinePool, usable_for
+from services.backends.http import HttpClient, describe, lines
 from services.backends.ollama_reply import (
     StreamedAnswer,
     Tag,
@@ -61,9 +53,6 @@ from services.errors import (
 SHOW_TIMEOUT_S = 30.0
 # The model list's read deadline.
 TAGS_TIMEOUT_S = 30.0
-# The longest NDJSON line read (an older Ollama's final ``/api/generate`` line carries the
-# whole context as token ids).
-MAX_LINE = 64 << 20
 _JSON = {"Content-Type": "application/json"}
 _NDJSON = {"Content-Type": "application/json", "Accept": "application/x-ndjson"}
 
@@ -76,60 +65,19 @@ class OllamaBackend:
     """A client for one Ollama server."""
 
     def __init__(self, base_url: str, *, connect_timeout_s: float = 5.0) -> None:
-        self._base_url = base_url.rstrip("/")
-        self._connect_timeout_s = connect_timeout_s
-        self._session: aiohttp.ClientSession | None = None  # made in the loop, on first use
-        # Generations on plain http:// with no proxy go over the small HTTP/1.1 client: in a
-        # worker, aiohttp costs about 0.5 ms of CPU more per generation (http1.py).
-        self._lines = (
-            LinePool(self._base_url, connect_timeout_s=connect_timeout_s)
-            if usable_for(self._base_url)
-            else None
-        )
-        # A proxy from the environment (HTTP(S)_PROXY, NO_PROXY), as httpx takes it, read
-        # here once: aiohttp's ``trust_env`` reads it, and ``~/.netrc``, on every request
-        # (0.35 ms of CPU each here).
-        try:
-            self._proxy: tuple[URL | None, aiohttp.BasicAuth | None] = get_env_proxy_for_url(
-                URL(self._base_url)
-            )
-        except LookupError:
-            self._proxy = (None, None)
+        self._client = HttpClient(base_url, connect_timeout_s=connect_timeout_s)
+        self._base_url = self._client.base_url
 
     @property
     def address(self) -> str:
         return self._base_url
 
     async def aclose(self) -> None:
-        if self._lines is not None:
-            await self._lines.aclose()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=self._timeout(None),
-                proxy=self._proxy[0],
-                proxy_auth=self._proxy[1],
-                # Ollama sets no cookies; a jar would be consulted on every request.
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-        return self._session
-
-    def _timeout(self, read_timeout_s: float | None) -> aiohttp.ClientTimeout:
-        """No overall deadline (the caller's `asyncio.timeout` is it): one for making a new
-        connection (``sock_connect``: a kept-alive one taken from the pool arms no timer),
-        and ``read_timeout_s`` between two reads."""
-        return aiohttp.ClientTimeout(
-            total=None, sock_connect=self._connect_timeout_s, sock_read=read_timeout_s
-        )
+        await self._client.aclose()
 
     async def _get(self, path: str) -> tuple[int, bytes]:
-        async with self._http().get(
-            self._base_url + path, timeout=self._timeout(TAGS_TIMEOUT_S)
-        ) as reply:
+        timeout = self._client.timeout(TAGS_TIMEOUT_S)
+        async with self._client.sent("GET", path, deadlines=timeout) as reply:
             return reply.status, await reply.read()
 
     async def list_models(self) -> list[str]:
@@ -137,7 +85,7 @@ class OllamaBackend:
             status, content = await self._get("/api/tags")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise BackendUnavailable(
-                f"Ollama at {self._base_url} cannot be reached: {_describe(exc)}"
+                f"Ollama at {self._base_url} cannot be reached: {describe(exc)}"
             ) from exc
         if status != 200:
             raise answer_error(
@@ -152,7 +100,7 @@ class OllamaBackend:
             status, content = await self._get("/api/ps")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise BackendUnavailable(
-                f"Ollama at {self._base_url} cannot be reached: {_describe(exc)}"
+                f"Ollama at {self._base_url} cannot be reached: {describe(exc)}"
             ) from exc
         if status != 200:
             raise answer_error(
@@ -177,15 +125,15 @@ class OllamaBackend:
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._stream(path, body, started, progress, on_chunk)
-        except (aiohttp.ServerTimeoutError, Http1ConnectTimeout) as exc:  # before TimeoutError
-            raise BackendTimeout(f"Ollama at {self._base_url} timed out: {_describe(exc)}") from exc
+        except aiohttp.ServerTimeoutError as exc:  # a TimeoutError too: first
+            raise BackendTimeout(f"Ollama at {self._base_url} timed out: {describe(exc)}") from exc
         except TimeoutError as exc:
             raise BackendTimeout(
                 f"Ollama at {self._base_url} did not finish {model} within {timeout_s:g} s"
             ) from exc
-        except (aiohttp.ClientError, Http1Error) as exc:
+        except aiohttp.ClientError as exc:
             raise BackendUnavailable(
-                f"Ollama at {self._base_url} cannot be reached: {_describe(exc)}"
+                f"Ollama at {self._base_url} cannot be reached: {describe(exc)}"
             ) from exc
 
     async def _stream(
@@ -197,46 +145,17 @@ class OllamaBackend:
         on_chunk: OnChunk | None,
     ) -> Generation:
         encoded = _body_encoder.encode(body)
-        if self._lines is not None:
-            async with self._lines.post(path, encoded, "application/x-ndjson") as small:
-                if small.status != 200:
-                    text = (await small.read()).decode(errors="replace")
-                    raise answer_error(
-                        small.status, f"Ollama answered HTTP {small.status}: {error_text(text)}"
-                    )
-                lines = small.lines()
-                generation = await self._read(lines, started, progress, on_chunk)
-                await drain(lines)  # to the body's end: the connection is kept
-                return generation
-        reply = await self._send(path, encoded)
-        try:
+        async with self._client.sent("POST", path, body=encoded, headers=_NDJSON) as reply:
             if reply.status != 200:
                 text = (await reply.read()).decode(errors="replace")
                 raise answer_error(
                     reply.status, f"Ollama answered HTTP {reply.status}: {error_text(text)}"
                 )
-            lines = _lines(reply)
-            generation = await self._read(lines, started, progress, on_chunk)
+            read = lines(reply)
+            generation = await self._read(read, started, progress, on_chunk)
             if not reply.content.at_eof():
-                await drain(lines)  # to the body's end: the connection is kept
-        except BaseException:
-            reply.close()  # given up midway (a cancel among others): Ollama stops generating
-            raise
-        reply.release()  # read to its end: the connection goes back to the pool
+                await drain(read)  # to the body's end: the connection is kept
         return generation
-
-    async def _send(self, path: str, body: bytes) -> aiohttp.ClientResponse:
-        """The answer to a streamed POST, its body still to read; sent once more on a new
-        connection when a kept-alive one turns out closed before any answer came (the
-        server closed it while idle: nothing was done, so sending again is safe)."""
-        post = self._http().post
-        url = self._base_url + path
-        try:
-            return await post(url, data=body, headers=_NDJSON)
-        except aiohttp.ClientConnectorError:
-            raise  # no connection at all: nothing to retry
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            return await post(url, data=body, headers=_NDJSON)
 
     async def _read(
         self,
@@ -282,14 +201,14 @@ class OllamaBackend:
                     (time.perf_counter() - started) * 1000,
                 )
         except aiohttp.ServerTimeoutError as exc:  # a TimeoutError too: first
-            raise BackendTimeout(f"Ollama at {self._base_url} timed out: {_describe(exc)}") from exc
+            raise BackendTimeout(f"Ollama at {self._base_url} timed out: {describe(exc)}") from exc
         except TimeoutError as exc:
             raise BackendTimeout(
                 f"Ollama at {self._base_url} did not embed with {model} within {timeout_s:g} s"
             ) from exc
         except aiohttp.ClientError as exc:
             raise BackendUnavailable(
-                f"Ollama at {self._base_url} cannot be reached: {_describe(exc)}"
+                f"Ollama at {self._base_url} cannot be reached: {describe(exc)}"
             ) from exc
         except msgspec.DecodeError as exc:
             raise BackendError(f"Ollama at {self._base_url}: malformed embed reply: {exc}") from exc
@@ -308,11 +227,12 @@ class OllamaBackend:
     ) -> bytes:
         """One JSON POST; by default without a read deadline of its own (the caller's
         applies). An answer other than 200 is a `BackendError` with Ollama's message."""
-        async with self._http().post(
-            self._base_url + path,
-            data=_body_encoder.encode(body),
+        async with self._client.sent(
+            "POST",
+            path,
+            body=_body_encoder.encode(body),
             headers=_JSON,
-            timeout=self._timeout(read_timeout_s),
+            deadlines=self._client.timeout(read_timeout_s),
         ) as reply:
             content = await reply.read()
             if reply.status != 200:
@@ -336,7 +256,7 @@ class OllamaBackend:
             else:
                 log.warning("model list refused for model facts", status=status)
         except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
-            log.warning("model list unreadable for model facts", error=_describe(exc))
+            log.warning("model list unreadable for model facts", error=describe(exc))
         facts: dict[str, ModelFacts] = {}
         for name in served:
             try:
@@ -344,21 +264,8 @@ class OllamaBackend:
                     await self._post("/api/show", {"model": name}, read_timeout_s=SHOW_TIMEOUT_S)
                 )
             except (BackendError, aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
-                message = exc.message if isinstance(exc, BackendError) else _describe(exc)
+                message = exc.message if isinstance(exc, BackendError) else describe(exc)
                 log.warning("model facts unavailable", model=name, error=message)
                 continue
             facts[name] = facts_of(name, tags.get(name), show)
         return facts
-
-
-async def _lines(reply: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The body's lines (each with its line end), the last one even if unterminated."""
-    try:
-        while line := await reply.content.readline(max_line_length=MAX_LINE):
-            yield line
-    except LineTooLong as exc:
-        raise BackendError(f"Ollama sent a line over {MAX_LINE} bytes") from exc
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__

@@ -4,19 +4,19 @@
 ``/v1/embeddings`` makes vectors. Tasks arrive in Ollama's terms (the project's wire types
 follow Ollama), so the request bodies are translated (`openai_request`), and what the servers
 answer is read by `openai_reply`; both are pure. This module is the HTTP client: it sends,
-reads the stream, times it, and maps the transport's failures to the project's backend errors.
+reads the stream, times it, and maps the transport's failures to the project's backend errors,
+over the backends' one HTTP client (`services.backends.http`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
+import aiohttp
+import msgspec
 import structlog
 
 from schemas.models import EMBEDDING, ModelFacts
@@ -30,6 +30,7 @@ from services.backends import (
     drain,
     embedding_work,
 )
+from services.backends.http import HttpClient, describe, lines
 from services.backends.openai_reply import (
     ChatStream,
     ModelEntry,
@@ -52,6 +53,11 @@ from services.errors import (
 
 log = structlog.get_logger("worker")
 
+# The model list's and llama.cpp's ``/props``' deadline.
+QUERY_TIMEOUT_S = 30.0
+_JSON = {"Content-Type": "application/json"}
+_body_encoder = msgspec.json.Encoder()
+
 
 class OpenAIBackend:
     """A client for one OpenAI-compatible server; ``base_url`` ends in ``/v1``."""
@@ -59,14 +65,9 @@ class OpenAIBackend:
     def __init__(
         self, base_url: str, *, api_key: str | None = None, connect_timeout_s: float = 5.0
     ) -> None:
-        self._base_url = base_url.rstrip("/")
-        self._connect_timeout_s = connect_timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self._base_url,
-            headers=headers,
-            timeout=httpx.Timeout(30.0, connect=connect_timeout_s),
-        )
+        self._client = HttpClient(base_url, connect_timeout_s=connect_timeout_s, headers=headers)
+        self._base_url = self._client.base_url
 
     @property
     def address(self) -> str:
@@ -74,6 +75,9 @@ class OpenAIBackend:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+    def _unreachable(self, exc: BaseException) -> BackendUnavailable:
+        return BackendUnavailable(f"{self._base_url} cannot be reached: {describe(exc)}")
 
     async def list_models(self) -> list[str]:
         return [m.id for m in await self._models()]
@@ -87,17 +91,17 @@ class OpenAIBackend:
         return None
 
     async def _models(self) -> list[ModelEntry]:
+        deadlines = self._client.timeout(None, total_s=QUERY_TIMEOUT_S)
         try:
-            async with self._sent(self._client.build_request("GET", "/models")) as reply:
-                await reply.aread()
-        except httpx.HTTPError as exc:
+            async with self._client.sent("GET", "/models", deadlines=deadlines) as reply:
+                status, content = reply.status, await reply.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise BackendUnavailable(
-                f"{self._base_url} cannot be reached: {_describe(exc)}"
+                f"{self._base_url} cannot be reached: {describe(exc)}"
             ) from exc
-        if reply.status_code != 200:
-            status = reply.status_code
+        if status != 200:
             raise answer_error(status, f"{self._base_url}/models answered HTTP {status}")
-        return decode_models(reply.content, self._base_url)
+        return decode_models(content, self._base_url)
 
     async def generate(
         self,
@@ -121,15 +125,15 @@ class OpenAIBackend:
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._stream(body, started, progress, on_chunk)
+        except aiohttp.ServerTimeoutError as exc:  # a TimeoutError too: first
+            raise BackendTimeout(f"{self._base_url} timed out: {describe(exc)}") from exc
         except TimeoutError as exc:
             raise BackendTimeout(
                 f"{self._base_url} did not finish {model} within {timeout_s:g} s"
             ) from exc
-        except httpx.TimeoutException as exc:
-            raise BackendTimeout(f"{self._base_url} timed out: {_describe(exc)}") from exc
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise BackendUnavailable(
-                f"{self._base_url} cannot be reached: {_describe(exc)}"
+                f"{self._base_url} cannot be reached: {describe(exc)}"
             ) from exc
 
     async def _stream(
@@ -141,25 +145,25 @@ class OpenAIBackend:
     ) -> Generation:
         stream = ChatStream()
         finished = False
-        timeout = httpx.Timeout(None, connect=self._connect_timeout_s)
-        request = self._client.build_request(
-            "POST", "/chat/completions", json=body, timeout=timeout
-        )
-        async with self._sent(request) as reply:
-            if reply.status_code != 200:
-                text = (await reply.aread()).decode(errors="replace")
+        encoded = _body_encoder.encode(body)
+        async with self._client.sent(
+            "POST", "/chat/completions", body=encoded, headers=_JSON
+        ) as reply:
+            if reply.status != 200:
+                text = (await reply.read()).decode(errors="replace")
                 raise answer_error(
-                    reply.status_code,
-                    f"{self._base_url} answered HTTP {reply.status_code}: {error_text(text)}",
+                    reply.status,
+                    f"{self._base_url} answered HTTP {reply.status}: {error_text(text)}",
                 )
-            lines = reply.aiter_lines()
-            async for line in lines:
-                if not line.startswith("data:"):
+            read = lines(reply)
+            async for raw in read:
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
+                data = raw[5:].strip().decode()
                 if data == "[DONE]":
                     finished = True
-                    await drain(lines)  # to the body's end: the connection is kept
+                    if not reply.content.at_eof():
+                        await drain(read)  # to the body's end: the connection is kept
                     break
                 chunk = decode_chunk(data, self._base_url)
                 stream.note(chunk)
@@ -191,48 +195,32 @@ class OpenAIBackend:
         body = embeddings_body(model, work)
         started = time.perf_counter()
         try:
-            request = self._client.build_request(
-                "POST", "/embeddings", json=body, timeout=timeout_s
-            )
-            async with self._sent(request) as reply:
-                await reply.aread()
-        except httpx.TimeoutException as exc:
+            async with (
+                asyncio.timeout(timeout_s),
+                self._client.sent(
+                    "POST", "/embeddings", body=_body_encoder.encode(body), headers=_JSON
+                ) as reply,
+            ):
+                status, content = reply.status, await reply.read()
+        except TimeoutError as exc:  # aiohttp's own deadlines included
             raise BackendTimeout(
                 f"{self._base_url} did not embed with {model} within {timeout_s:g} s"
             ) from exc
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise BackendUnavailable(
-                f"{self._base_url} cannot be reached: {_describe(exc)}"
+                f"{self._base_url} cannot be reached: {describe(exc)}"
             ) from exc
-        if reply.status_code != 200:
+        if status != 200:
+            text = content.decode(errors="replace")
             raise answer_error(
-                reply.status_code,
-                f"{self._base_url} answered HTTP {reply.status_code}: {error_text(reply.text)}",
+                status, f"{self._base_url} answered HTTP {status}: {error_text(text)}"
             )
         return embedding_of(
-            reply.content,
+            content,
             len(work.input or ()),
             self._base_url,
             (time.perf_counter() - started) * 1000,
         )
-
-    @asynccontextmanager
-    async def _sent(self, request: httpx.Request) -> AsyncIterator[httpx.Response]:
-        """The answer to ``request``, its body still to read; sent once more on a new
-        connection when a kept-alive one turns out closed before any answer came.
-
-        llama.cpp's server closes the connection after each streamed answer without saying
-        so (no ``Connection: close``); a request sent right after can go out on it before
-        its close is seen, and fail with no answer at all. Nothing was done then, so sending
-        again is safe; the second failure is the server's."""
-        try:
-            reply = await self._client.send(request, stream=True)
-        except (httpx.RemoteProtocolError, httpx.ReadError):
-            reply = await self._client.send(request, stream=True)
-        try:
-            yield reply
-        finally:
-            await reply.aclose()
 
     async def model_facts(self, served: list[str]) -> dict[str, ModelFacts]:
         """What can be learnt of the served models; ``/v1/models`` itself says nothing of
@@ -270,14 +258,15 @@ class OpenAIBackend:
         a reply without ``chat_template_caps`` and ``modalities``)."""
         parts = urlsplit(self._base_url)
         root = urlunsplit(parts._replace(path=parts.path.removesuffix("/v1")))
+        deadlines = self._client.timeout(None, total_s=QUERY_TIMEOUT_S)
         try:
-            async with self._sent(self._client.build_request("GET", f"{root}/props")) as reply:
-                await reply.aread()
-        except httpx.HTTPError:
+            async with self._client.sent("GET", f"{root}/props", deadlines=deadlines) as reply:
+                status, content = reply.status, await reply.read()
+        except (aiohttp.ClientError, TimeoutError):
             return None
-        if reply.status_code != 200:
+        if status != 200:
             return None
-        return decode_props(reply.content)
+        return decode_props(content)
 
     async def _embeds(self, model: str) -> bool:
         try:
@@ -285,7 +274,3 @@ class OpenAIBackend:
         except BackendError:
             return False
         return True
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
