@@ -99,16 +99,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def from_env(cls: type[S], environ: Mapping[str, str] | None = None) -> S:
         """Read this Struct's fields from the environment (``os.environ`` by default)."""
         env = os.environ if environ is None else environ
-        raw: dict[str, Any] = {}
+        values: dict[str, Any] = {}
         for field in msgspec.structs.fields(cls):
             value = env.get(field.name.upper())
             if value is None or value.strip() == "":
+                if field.required:
+                    raise ConfigError(f"{field.name.upper()} is required but not set")
                 continue
-            raw[field.name] = _split(value) if _is_list(field.type) else value.strip()
-        try:
-            settings = msgspec.convert(raw, cls, strict=False)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(_name_variable(str(exc), raw)) from None
+            given = _split(value) if _is_list(field.type) else value.strip()
+            try:  # each variable on its own, so that a failure names it
+                values[field.name] = msgspec.convert(given, field.type, strict=False)
+            except msgspec.ValidationError as exc:
+                raise ConfigError(f"{field.name.upper()}={given!r} is malformed: {exc}") from None
+        settings = msgspec.convert(values, cls, strict=False)
         settings.check_nats()
         settings.check()
         return settings
@@ -517,16 +520,3 @@ def _is_list(tp: Any) -> bool:
 
 def _split(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
-
-
-def _name_variable(message: str, raw: Mapping[str, Any]) -> str:
-    """msgspec says ``... - at `$.nats_url```; say ``NATS_URL='...': ...`` instead."""
-    match = re.search(r"at `\$\.(\w+)", message)
-    if match:
-        text = message[: match.start()].rstrip(" -")
-        field = match.group(1)
-        return f"{field.upper()}={raw.get(field)!r} is malformed: {text}"
-    missing = re.search(r"missing required field `(\w+)`", message)
-    if missing:
-        return f"{missing.group(1).upper()} is required but not set"
-    return message
