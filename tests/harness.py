@@ -25,7 +25,9 @@ from nats.js.errors import NotFoundError
 
 from schemas.route import ErrorBody
 from services.router.service import run as run_router
-from services.runtime.settings import RouterSettings, StatsSettings, WorkerSettings
+from services.router.settings import RouterSettings
+from services.runtime.settings import WorkerSettings
+from services.stats.settings import StatsSettings
 from services.worker.service import run as run_worker
 
 FAST_WORKER = {
@@ -84,7 +86,7 @@ class ServiceRunner:
 
     def reaper(self, nats_url: str, **overrides: Any) -> asyncio.Task[None]:
         from services.reaper.service import run as run_reaper
-        from services.runtime.settings import ReaperSettings
+        from services.reaper.settings import ReaperSettings
 
         options = {**FAST_REAPER, **overrides}
         return self.start(run_reaper, ReaperSettings(nats_url=nats_url, **options))

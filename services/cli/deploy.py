@@ -26,9 +26,9 @@ from services.cli.cluster import render_cluster_conf
 from services.cli.health import check_health, setup_streams
 from services.cli.permissions import render_nats_conf
 from services.cli.roles import PER_WORKER, SERVICE_ROLES
+from services.cli.settings import MAX_REPLICAS, SetupSettings, check_replicas
 from services.cli.units import read_env_file, render_launchd, render_systemd
 from services.errors import ConfigError
-from services.runtime.settings import MAX_REPLICAS, SetupSettings, check_replicas
 
 EXIT_FAILED = 1
 

@@ -282,8 +282,8 @@ def register(sub: Any) -> None:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from services.cli.client import find_nats_url, find_pg_dsn
+    from services.cli.settings import DoctorSettings
     from services.runtime.logging import setup_logging
-    from services.runtime.settings import DoctorSettings
 
     setup_logging("error", "console", stream=sys.stderr)
     unit_dirs = args.unit_dirs or (list(DEFAULT_UNIT_DIRS) if sys.platform == "linux" else None)

@@ -22,9 +22,9 @@ from services.cli.replication import (
 )
 from services.cli.roles import MICRO_SERVICES, PER_WORKER
 from services.fleet.liveness import is_fresh
+from services.gateway.settings import GatewaySettings
 from services.runtime.settings import (
     DEFAULT_ACK_WAIT_S,
-    GatewaySettings,
     NatsAuth,
     Settings,
     WebSearchSettings,

@@ -25,20 +25,16 @@ from services.cli import deploy, doctor, keys, stats_commands
 from services.cli.client import open_client, route_and_wait, say_asking_again
 from services.cli.stopping import budget_of
 from services.errors import ConfigError, CoordinatorError
+from services.gateway.settings import GatewaySettings
+from services.reaper.settings import ReaperSettings
+from services.router.settings import RouterSettings
 from services.runtime import waitfor
 from services.runtime.lifecycle import run_until_stopped
 from services.runtime.logging import setup_logging
 from services.runtime.request import UNSERVED_FOR_S, call
-from services.runtime.settings import (
-    GatewaySettings,
-    ReaperSettings,
-    RouterSettings,
-    Settings,
-    StatsSettings,
-    WebSearchSettings,
-    WorkerSettings,
-)
+from services.runtime.settings import Settings, WebSearchSettings, WorkerSettings
 from services.runtime.tracing import setup_tracing
+from services.stats.settings import StatsSettings
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2

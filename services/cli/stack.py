@@ -36,21 +36,18 @@ import msgspec
 import structlog
 
 from services.cli import stackfile
+from services.cli.settings import UpSettings
 from services.cli.stopping import budget_of
 from services.errors import ConfigError, CoordinatorError
+from services.gateway.settings import GatewaySettings
+from services.reaper.settings import ReaperSettings
+from services.router.settings import RouterSettings
 from services.runtime.bus import MAX_PAYLOAD
 from services.runtime.lifecycle import install_stop_signals, run_main, run_within
 from services.runtime.logging import setup_logging
-from services.runtime.settings import (
-    GatewaySettings,
-    ReaperSettings,
-    RouterSettings,
-    Settings,
-    StatsSettings,
-    UpSettings,
-    WorkerSettings,
-)
+from services.runtime.settings import Settings, WorkerSettings
 from services.runtime.tracing import setup_tracing
+from services.stats.settings import StatsSettings
 
 log = structlog.get_logger("up")
 

@@ -187,9 +187,9 @@ def _request(
 def cmd_serve(args: argparse.Namespace) -> int:
     from services.cli.stopping import budget_of
     from services.runtime.lifecycle import run_until_stopped
-    from services.runtime.settings import StatsSettings
     from services.runtime.tracing import setup_tracing
     from services.stats.service import run
+    from services.stats.settings import StatsSettings
 
     settings = StatsSettings.from_env()
     setup_logging(settings.log_level, settings.log_format)

@@ -3,14 +3,10 @@ stop has for its goodbyes and connections (`services.runtime.lifecycle.stop_budg
 
 from __future__ import annotations
 
+from services.reaper.settings import ReaperSettings
 from services.runtime.lifecycle import stop_budget_s
-from services.runtime.settings import (
-    ReaperSettings,
-    Settings,
-    StatsSettings,
-    WebSearchSettings,
-    WorkerSettings,
-)
+from services.runtime.settings import Settings, WebSearchSettings, WorkerSettings
+from services.stats.settings import StatsSettings
 
 
 def budget_of(settings: Settings) -> float:

@@ -60,9 +60,9 @@ from services.gateway.bus import FleetBus
 from services.gateway.common import ApiError, encoder
 from services.gateway.dashboard_view import Known, forget_departed, gauges, sections
 from services.gateway.metrics import FleetMetrics
+from services.gateway.settings import GatewaySettings
 from services.runtime.aliases import consumer_name, rename_on_reset
 from services.runtime.lifecycle import TaskSet
-from services.runtime.settings import GatewaySettings
 from services.runtime.watch import follow_bucket, value_of
 
 log = structlog.get_logger("gateway")

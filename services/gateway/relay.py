@@ -35,11 +35,11 @@ from services.errors import TooLarge
 from services.gateway.bus import FleetBus, next_msg
 from services.gateway.common import ApiError, Shape
 from services.gateway.responses import JSON, error_response
+from services.gateway.settings import GatewaySettings
 from services.gateway.streamed import Sent
 from services.gateway.task_api import TaskShape
 from services.runtime.lifecycle import TaskSet
 from services.runtime.request import StreamedRequest, new_task_id
-from services.runtime.settings import GatewaySettings
 
 log = structlog.get_logger("gateway")
 

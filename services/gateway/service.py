@@ -49,10 +49,10 @@ from services.gateway.ollama_answers import OllamaEmbedShape, OllamaShape, ollam
 from services.gateway.openai_answers import OpenAIEmbedShape, OpenAIShape
 from services.gateway.relay import Relay
 from services.gateway.responses import JSON, NDJSON, json_errors, read_body, refused
+from services.gateway.settings import GatewaySettings
 from services.gateway.task_api import TaskShape, task_route
 from services.runtime.bus import connect
 from services.runtime.lifecycle import TaskSet, close_bus, stop_within
-from services.runtime.settings import GatewaySettings
 
 log = structlog.get_logger("gateway")
 

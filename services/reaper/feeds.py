@@ -50,10 +50,10 @@ from schemas.subjects import (
 from services.fleet.figures import decode_figure
 from services.fleet.liveness import is_live, live
 from services.fleet.policy import SHARED_WORKER
+from services.reaper.settings import ReaperSettings
 from services.reaper.view import ConsumerSample, ReaperView
 from services.runtime.lifecycle import TaskSet
 from services.runtime.registry import RegistryFeed
-from services.runtime.settings import ReaperSettings
 from services.runtime.watch import (
     RECONNECT_CHECK_S,
     follow_bucket,

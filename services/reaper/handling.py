@@ -22,9 +22,9 @@ from services.fleet.binding import refusal
 from services.reaper.actions import Actions, QueueIndex, copies_up_to, queue_index
 from services.reaper.decisions import Fail, Move, Wait, decide
 from services.reaper.detectors import DuplicateFinding, TaskFinding
+from services.reaper.settings import ReaperSettings
 from services.reaper.view import ReaperView, TaskTrack, routing
 from services.runtime.outcomes import Sourced, current_attempt, stored_outcome
-from services.runtime.settings import ReaperSettings
 
 log = structlog.get_logger("reaper")
 

@@ -41,6 +41,7 @@ from services import __version__
 from services.reaper.detectors import Snapshot, Thresholds, detect
 from services.reaper.feeds import Feeds
 from services.reaper.handling import FindingHandler
+from services.reaper.settings import ReaperSettings
 from services.reaper.view import ReaperView
 from services.runtime.bus import (
     connect,
@@ -52,7 +53,6 @@ from services.runtime.bus import (
 from services.runtime.endpoints import add_endpoint
 from services.runtime.leadership import Leadership
 from services.runtime.lifecycle import TaskSet, close_bus, stop_within
-from services.runtime.settings import ReaperSettings
 
 log = structlog.get_logger("reaper")
 

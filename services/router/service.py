@@ -66,6 +66,7 @@ from services.router.reaper_watch import ReaperWatch
 from services.router.records import outcome_reply, queued_reply
 from services.router.relay import ChunkRelay
 from services.router.requests import Admitted, admit
+from services.router.settings import RouterSettings
 from services.router.submit import AlreadySubmitted
 from services.router.submitting import WAIT_MARGIN_S, Submitter
 from services.router.view import FleetView
@@ -83,7 +84,6 @@ from services.runtime.endpoints import add_endpoint, reply_subject
 from services.runtime.lifecycle import TaskSet, close_bus, stop_within
 from services.runtime.registry import RegistryFeed
 from services.runtime.request import new_task_id
-from services.runtime.settings import RouterSettings
 from services.runtime.watch import follow_bucket
 
 log = structlog.get_logger("router")

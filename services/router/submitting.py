@@ -19,12 +19,12 @@ from services.fleet.binding import Supports
 from services.router.decide import Submission
 from services.router.ending import wait_for_end
 from services.router.relay import ChunkRelay
+from services.router.settings import RouterSettings
 from services.router.submit import submit
 from services.router.waiting import Tracking, Waiter, let_go
 from services.router.waking import Waker
 from services.runtime.bus import fences_by_subject
 from services.runtime.endpoints import reply_subject
-from services.runtime.settings import RouterSettings
 
 log = structlog.get_logger("router")
 

@@ -19,10 +19,10 @@ from schemas.events import WakeRequested
 from schemas.subjects import TASKS_STREAM
 from schemas.workers import WorkerRecord
 from services.router.records import wake_failure
+from services.router.settings import RouterSettings
 from services.router.wol import send_magic_packet
 from services.runtime.bus import publish_event
 from services.runtime.lifecycle import TaskSet
-from services.runtime.settings import RouterSettings
 
 log = structlog.get_logger("router")
 

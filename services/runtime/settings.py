@@ -2,6 +2,9 @@
 
 A field ``nats_url`` is read from ``NATS_URL``; list fields are comma-separated. A missing
 required variable or a malformed value stops the start with an error naming the variable.
+Here: `Settings`, what every service has (NATS, logging) and how it is read, and the worker
+kinds' settings, which the task loop reads. Each other service's own live beside it
+(``services/<service>/settings.py``; the commands that run no service: `services.cli.settings`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import msgspec
 from schemas.subjects import InvalidId, check_worker_id
 from schemas.workers import Capability
 from services.errors import ConfigError
-from services.fleet.policy import DEFAULT_GPU_PREFERENCE
 
 S = TypeVar("S", bound="Settings")
 
@@ -28,8 +30,6 @@ _MAC = re.compile(r"^[0-9A-Fa-f]{2}([:-][0-9A-Fa-f]{2}){5}$")
 _NATS_SERVER = re.compile(
     r"^(?:(?:nats|tls|ws|wss)://)?(?:[^\s/@]+@)?(?:\[[0-9A-Fa-f:.]+\]|[^\s/:@\[\],]+)(?::\d{1,5})?/?$"
 )
-# JetStream keeps at most this many copies of a stream.
-MAX_REPLICAS = 5
 
 LogFormat = Literal["auto", "json", "console"]
 
@@ -176,24 +176,6 @@ def check_lease_timing(heartbeat_interval_s: float, worker_ttl_s: float) -> None
         )
 
 
-class RouterSettings(Settings, frozen=True, kw_only=True):
-    max_prompt_chars: int = 200_000
-    default_timeout_s: float = 300.0
-    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
-    gpu_models: list[str] = []
-    gpu_preference: float = DEFAULT_GPU_PREFERENCE
-    """A GPU-preferred model goes to a CPU worker when the best GPU worker would finish it
-    more than this many times later (`services.fleet.policy.choose`)."""
-    wol_broadcast: str = "255.255.255.255"
-    """Where Wake-on-LAN magic packets go (the sleeping machines' broadcast address)."""
-    wol_port: int = 9
-    wake_wait_s: float = 180.0
-    """How long a task waits for a woken worker to start it before it fails."""
-
-    def check(self) -> None:
-        check_gpu_preference(self.gpu_preference)
-
-
 class WorkerSettings(Settings, frozen=True, kw_only=True):
     worker_id: str = msgspec.field(default_factory=default_worker_id)
     worker_host: str = msgspec.field(default_factory=socket.gethostname)
@@ -337,179 +319,6 @@ class WebSearchSettings(Settings, frozen=True, kw_only=True):
             raise ConfigError("ACK_WAIT_S must be longer than HEARTBEAT_INTERVAL_S")
         if self.heartbeat_interval_s <= 0 or self.worker_ttl_s <= self.heartbeat_interval_s:
             raise ConfigError("WORKER_TTL_S must be longer than HEARTBEAT_INTERVAL_S (> 0)")
-
-
-class StatsSettings(Settings, frozen=True, kw_only=True):
-    pg_dsn: str
-    batch_size: int = 256
-    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
-    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
-    """The projection's lease in the ``leaders`` bucket: renewed every heartbeat interval,
-    taken over by a standby once older than the TTL (`services.runtime.leadership`)."""
-
-    def check(self) -> None:
-        check_lease_timing(self.heartbeat_interval_s, self.worker_ttl_s)
-
-
-class ReaperSettings(Settings, frozen=True, kw_only=True):
-    """``coordinator reaper``: how often it looks, and how long each problem may last."""
-
-    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
-    """A worker whose last heartbeat is older than this is dead (the workers' own setting);
-    also the TTL of the reaper's own lease in the ``leaders`` bucket."""
-    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
-    """How often the active reaper renews its lease (`services.runtime.leadership`)."""
-    reaper_interval_s: float = 1.0
-    stuck_grace_s: float = 30.0
-    """A task running this long past its own timeout is stuck."""
-    ghost_after_s: float = 10.0
-    """A task queued this long on a queue that nobody has worked on for as long is a ghost."""
-    duplicate_samples: int = 2
-    """Looks in a row that must see more than one pull waiting on a worker's consumer."""
-    max_attempts: int = 5
-    """A task is not moved again after this many attempts; it fails instead."""
-    reaper_lookback_s: float = 86_400.0
-    """How far back the event log is read at start to learn the tasks still under way."""
-    gpu_models: list[str] = []
-    """As the router's ``GPU_MODELS``: a moved task goes where the router would send it."""
-    gpu_preference: float = DEFAULT_GPU_PREFERENCE
-    """As the router's ``GPU_PREFERENCE``."""
-
-    def check(self) -> None:
-        check_gpu_preference(self.gpu_preference)
-        for name in ("worker_ttl_s", "reaper_interval_s", "ghost_after_s", "reaper_lookback_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name.upper()} must be a positive number of seconds")
-        if self.stuck_grace_s < 0:
-            raise ConfigError("STUCK_GRACE_S must not be negative")
-        if self.duplicate_samples < 1:
-            raise ConfigError("DUPLICATE_SAMPLES must be at least 1")
-        if self.max_attempts < 1:
-            raise ConfigError("MAX_ATTEMPTS must be at least 1")
-        check_lease_timing(self.heartbeat_interval_s, self.worker_ttl_s)
-
-
-class GatewaySettings(Settings, frozen=True, kw_only=True):
-    """``coordinator gateway``: the fleet as one Ollama- and OpenAI-compatible HTTP endpoint."""
-
-    gateway_host: str = "127.0.0.1"
-    """Loopback by default. On any other address the gateway wants API keys (``coordinator
-    keys add``) and refuses to start without one unless ``GATEWAY_ALLOW_OPEN`` says so."""
-    gateway_port: int = 11400
-    gateway_task_timeout_s: float | None = None
-    """The timeout the gateway's tasks ask for; unset: the router's ``DEFAULT_TIMEOUT_S``."""
-    gateway_reply_timeout_s: float = 400.0
-    """The longest the gateway waits for the router's next message before answering 504."""
-    gateway_retry_after_s: int = 5
-    """``Retry-After`` on 503 answers (no live worker, no router): about one heartbeat."""
-    gateway_reask_s: float = 10.0
-    """A waiting request whose router says nothing this long is sent again, naming its task:
-    a router that died took the answer with it, and another answers the task it names."""
-    gateway_max_body_bytes: int = 4 * 1024 * 1024
-    """The largest request body the gateway reads (images are megabytes); a larger one is a
-    413 in the API's own shape. Keep it under the NATS server's ``max_payload``: a task must
-    fit in one message."""
-    gateway_allow_open: bool = False
-    """Serve a non-loopback ``GATEWAY_HOST`` without API keys: anyone who reaches the port
-    can use the fleet. Off: such a gateway refuses to start until a key exists."""
-    gateway_header_timeout_s: float = 10.0
-    """From a request's first byte to the end of its headers; a slower client (slowloris) is
-    disconnected."""
-    gateway_body_timeout_s: float = 60.0
-    """The longest a request body may take to arrive whole; then 408 and the connection is
-    closed (a ``Content-Length`` larger than what is sent ends here, not in a hang)."""
-    gateway_keepalive_timeout_s: float = 75.0
-    """How long an idle keep-alive connection (or one that never sends a request) stays open."""
-    gateway_events_lookback_s: float = 3600.0
-    """How far back the dashboard reads the event log at start (recent tasks, failures, the
-    reaper's moves, the charts); the metrics count only what happens after the start."""
-    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
-    """Liveness, as the router and the reaper judge it: the dashboard shows a worker whose
-    heartbeat is older than this as lost."""
-
-    def check(self) -> None:
-        if not 0 < self.gateway_port < 65536:
-            raise ConfigError(f"GATEWAY_PORT must be a TCP port (1-65535), got {self.gateway_port}")
-        if self.gateway_task_timeout_s is not None and self.gateway_task_timeout_s <= 0:
-            raise ConfigError("GATEWAY_TASK_TIMEOUT_S must be a positive number of seconds")
-        if self.gateway_reply_timeout_s <= 0:
-            raise ConfigError("GATEWAY_REPLY_TIMEOUT_S must be a positive number of seconds")
-        if self.gateway_retry_after_s < 0:
-            raise ConfigError("GATEWAY_RETRY_AFTER_S must not be negative")
-        if self.gateway_reask_s <= 0:
-            raise ConfigError("GATEWAY_REASK_S must be a positive number of seconds")
-        if self.gateway_max_body_bytes <= 0:
-            raise ConfigError("GATEWAY_MAX_BODY_BYTES must be a positive number of bytes")
-        if self.gateway_events_lookback_s < 0:
-            raise ConfigError("GATEWAY_EVENTS_LOOKBACK_S must not be negative")
-        if self.worker_ttl_s <= 0:
-            raise ConfigError("WORKER_TTL_S must be a positive number of seconds")
-        for name in ("header", "body", "keepalive"):
-            if getattr(self, f"gateway_{name}_timeout_s") <= 0:
-                raise ConfigError(
-                    f"GATEWAY_{name.upper()}_TIMEOUT_S must be a positive number of seconds"
-                )
-
-
-class SetupSettings(Settings, frozen=True, kw_only=True):
-    """``coordinator setup``: the streams' and buckets' settings (with the admin NATS user)."""
-
-    worker_ttl_s: float = DEFAULT_WORKER_TTL_S
-    """The registry bucket's TTL: keep it equal to the workers' and the router's."""
-    events_max_age_s: float = 0.0
-    """How long events are kept; 0 keeps every event (the statistics can be rebuilt from all)."""
-    nats_replicas: int | None = None
-    """How many servers of a JetStream cluster keep each stream and bucket (``--replicas``
-    says the same). Unset: new ones get 1, existing ones keep theirs."""
-
-    def check(self) -> None:
-        if self.worker_ttl_s <= 0 or self.events_max_age_s < 0:
-            raise ConfigError("WORKER_TTL_S must be positive and EVENTS_MAX_AGE_S not negative")
-        if self.nats_replicas is not None:
-            check_replicas(self.nats_replicas, "NATS_REPLICAS")
-
-
-def check_replicas(replicas: int, name: str) -> None:
-    """A stream's replica count is 1 to `MAX_REPLICAS` (JetStream's limit)."""
-    if not 1 <= replicas <= MAX_REPLICAS:
-        raise ConfigError(f"{name} must be 1 to {MAX_REPLICAS} (JetStream's limit), not {replicas}")
-
-
-class DoctorSettings(Settings, frozen=True, kw_only=True):
-    """``coordinator doctor``: on a JetStream cluster, the system account's user, which alone
-    may read the cluster's meta group (its peers and leader)."""
-
-    nats_system_user: str | None = None
-    nats_system_password: str | None = None
-
-    def check(self) -> None:
-        if (self.nats_system_user is None) != (self.nats_system_password is None):
-            raise ConfigError(
-                "NATS_SYSTEM_USER and NATS_SYSTEM_PASSWORD go together: set both or neither"
-            )
-
-    def system_auth(self) -> NatsAuth | None:
-        """The system user's credentials (with this process's TLS settings), or None."""
-        if self.nats_system_user is None:
-            return None
-        return msgspec.structs.replace(
-            self.nats_auth(),
-            user=self.nats_system_user,
-            password=self.nats_system_password,
-            token=None,
-            creds=None,
-            inbox_prefix=None,
-        )
-
-
-class UpSettings(Settings, frozen=True, kw_only=True):
-    """``coordinator up``: NATS_URL and PG_DSN unset mean 'start them embedded'."""
-
-    pg_dsn: str | None = None
-    ollama_host: str = "http://localhost:11434"
-    coordinator_home: str = msgspec.field(
-        default_factory=lambda: os.path.join(os.path.expanduser("~"), ".coordinator")
-    )
 
 
 def _is_list(tp: Any) -> bool:

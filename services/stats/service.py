@@ -53,10 +53,10 @@ from services.runtime.endpoints import Handler, add_endpoint, serve_subject
 from services.runtime.leadership import Leadership
 from services.runtime.lifecycle import TaskSet, close_bus, stop_within
 from services.runtime.request import raise_if_error
-from services.runtime.settings import StatsSettings
 from services.stats.consumer import ProjectionConsumer
 from services.stats.endpoints import PROJECTING_ONLY, StatsEndpoints
 from services.stats.publisher import FigurePublisher
+from services.stats.settings import StatsSettings
 from services.stats.store import Store
 
 log = structlog.get_logger("stats")

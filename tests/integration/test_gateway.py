@@ -21,8 +21,8 @@ from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer, free_port, wait_for_port
 from schemas.events import AliasSet
 from services.gateway.service import run as run_gateway
+from services.gateway.settings import GatewaySettings
 from services.runtime.bus import publish_event
-from services.runtime.settings import GatewaySettings
 from tests.harness import ServiceRunner, eventually, last_task_event, request, workers_live
 
 THINKER = "qwen3:0.6b"

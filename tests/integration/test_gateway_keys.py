@@ -28,8 +28,8 @@ from schemas.subjects import GATEWAY_KEYS_BUCKET, ROUTE
 from services.errors import ConfigError
 from services.gateway.keys import Priority, make_record, new_key, record_encoder
 from services.gateway.service import run as run_gateway
+from services.gateway.settings import GatewaySettings
 from services.runtime.bus import ensure_bucket
-from services.runtime.settings import GatewaySettings
 from tests.harness import ServiceRunner, clean_env, eventually, run_cli, workers_live
 from tests.integration.test_gateway import PLAIN, start_gateway
 

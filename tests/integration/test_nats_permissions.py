@@ -47,12 +47,14 @@ from services.cli.permissions import (
 from services.cli.roles import DEPLOY_DIR
 from services.errors import Unavailable
 from services.reaper.service import run as run_reaper
+from services.reaper.settings import ReaperSettings
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.outcomes import stored_ends
 from services.runtime.request import new_task_id
-from services.runtime.settings import NatsAuth, ReaperSettings, StatsSettings
+from services.runtime.settings import NatsAuth
 from services.stats.service import run as run_stats
+from services.stats.settings import StatsSettings
 from tests.harness import (
     COORDINATOR,
     ServiceRunner,

@@ -37,9 +37,10 @@ from services.reaper.actions import Actions
 from services.reaper.decisions import Fail
 from services.reaper.detectors import TaskFinding
 from services.reaper.handling import FindingHandler
+from services.reaper.settings import ReaperSettings
 from services.reaper.view import ReaperView, TaskTrack
 from services.runtime.bus import ensure_streams, publish_event
-from services.runtime.settings import ReaperSettings, WorkerSettings
+from services.runtime.settings import WorkerSettings
 from services.worker.service import serve as serve_worker
 from tests.harness import (
     COORDINATOR,

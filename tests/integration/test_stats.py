@@ -36,11 +36,11 @@ from schemas.subjects import EVENTS_STREAM, STATS_CONSUMER, TASK
 from schemas.work import Work
 from services.errors import Unavailable
 from services.runtime.bus import ensure_streams, publish_event
-from services.runtime.settings import StatsSettings
 from services.stats.figures import routing_figure
 from services.stats.projection import TaskState
 from services.stats.rows import TASK_LOCK_SPACE
 from services.stats.service import run
+from services.stats.settings import StatsSettings
 from services.stats.store import Store
 
 T = TypeVar("T")

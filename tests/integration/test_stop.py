@@ -20,16 +20,12 @@ from devtools.fakes.ollama import FakeOllama
 from devtools.fakes.searxng import FakeSearxng
 from devtools.servers import NatsServer, free_port
 from services.cli.stopping import budget_of
+from services.gateway.settings import GatewaySettings
+from services.reaper.settings import ReaperSettings
+from services.router.settings import RouterSettings
 from services.runtime.lifecycle import CANCEL_S, CLOSE_S, DRAIN_S, close_bus
-from services.runtime.settings import (
-    GatewaySettings,
-    ReaperSettings,
-    RouterSettings,
-    Settings,
-    StatsSettings,
-    WebSearchSettings,
-    WorkerSettings,
-)
+from services.runtime.settings import Settings, WebSearchSettings, WorkerSettings
+from services.stats.settings import StatsSettings
 from tests.harness import COORDINATOR, Processes, clean_env, eventually, logged
 
 Away = Literal["killed", "stopped"]

@@ -19,8 +19,9 @@ from services.cli.doctor_cluster import (
 from services.cli.main import main
 from services.cli.permissions import render_nats_conf
 from services.cli.replication import check_replicas_possible, replication_of
+from services.cli.settings import DoctorSettings
 from services.errors import ConfigError
-from services.runtime.settings import DoctorSettings, Settings, nats_servers
+from services.runtime.settings import Settings, nats_servers
 
 
 def render(node: str = "nas", routes: str = "nas,nuc:7222,pi") -> str:

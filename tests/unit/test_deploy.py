@@ -287,15 +287,11 @@ def test_compose_gives_every_service_its_whole_stop_budget() -> None:
     """Docker kills a container that has not stopped within ``stop_grace_period`` (10 s by
     default): each of ours is given at least its stop budget at the default settings."""
     from services.cli.stopping import budget_of
-    from services.runtime.settings import (
-        GatewaySettings,
-        ReaperSettings,
-        RouterSettings,
-        Settings,
-        StatsSettings,
-        WebSearchSettings,
-        WorkerSettings,
-    )
+    from services.gateway.settings import GatewaySettings
+    from services.reaper.settings import ReaperSettings
+    from services.router.settings import RouterSettings
+    from services.runtime.settings import Settings, WebSearchSettings, WorkerSettings
+    from services.stats.settings import StatsSettings
 
     defaults: dict[str, Settings] = {
         "router": RouterSettings.from_env({}),

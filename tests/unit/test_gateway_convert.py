@@ -12,8 +12,8 @@ from schemas.route import ChatMessage, ErrorDetail, RouteReply, ToolCall, failur
 from services.errors import ConfigError, CoordinatorError, catalogue
 from services.gateway import common, conversation
 from services.gateway.common import ApiError
+from services.gateway.settings import GatewaySettings
 from services.gateway.task_api import TaskShape, task_route
-from services.runtime.settings import GatewaySettings
 
 DONE = RouteReply(task_id="t-1", status="done", queue="q", worker="cpu-1", response="42")
 

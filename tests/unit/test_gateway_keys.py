@@ -30,7 +30,7 @@ from services.gateway.keys import (
     record_decoder,
     record_encoder,
 )
-from services.runtime.settings import GatewaySettings
+from services.gateway.settings import GatewaySettings
 
 
 def test_a_new_key_is_prefixed_random_and_long() -> None:

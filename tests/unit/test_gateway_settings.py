@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.errors import ConfigError
-from services.runtime.settings import GatewaySettings
+from services.gateway.settings import GatewaySettings
 
 
 def test_defaults_listen_on_loopback_port_11400() -> None:

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from services.cli.settings import SetupSettings
 from services.errors import ConfigError
-from services.runtime.settings import NatsAuth, RouterSettings, SetupSettings
+from services.router.settings import RouterSettings
+from services.runtime.settings import NatsAuth
 from services.runtime.tracing import exporter_name
 
 

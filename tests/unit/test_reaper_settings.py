@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.errors import ConfigError
-from services.runtime.settings import ReaperSettings, RouterSettings, WorkerSettings
+from services.reaper.settings import ReaperSettings
+from services.router.settings import RouterSettings
+from services.runtime.settings import WorkerSettings
 
 
 def test_the_reaper_judges_liveness_as_the_workers_and_the_router_do() -> None:

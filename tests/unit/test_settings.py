@@ -3,12 +3,10 @@ from __future__ import annotations
 import pytest
 
 from services.errors import ConfigError
-from services.runtime.settings import (
-    ReaperSettings,
-    RouterSettings,
-    StatsSettings,
-    WorkerSettings,
-)
+from services.reaper.settings import ReaperSettings
+from services.router.settings import RouterSettings
+from services.runtime.settings import WorkerSettings
+from services.stats.settings import StatsSettings
 
 
 def test_defaults_apply_when_the_environment_is_empty() -> None:
