@@ -141,6 +141,25 @@ class Kind(Protocol):
     async def close(self) -> None: ...
 
 
+class KindDefaults:
+    """What a kind that leaves it out gets: no model facts, nothing to learn before the
+    lease, every task of its queues served, nothing to close. A kind subclasses this and
+    declares only what differs (`Kind` says what there is)."""
+
+    @property
+    def facts(self) -> list[ModelFacts]:
+        return []
+
+    async def prepare(self, stop: asyncio.Event) -> None:
+        """Nothing to learn before the lease."""
+
+    def serves(self, task: TaskMessage) -> bool:
+        return True
+
+    async def close(self) -> None:
+        """Nothing of its own to close."""
+
+
 class HealthWatch(Protocol):
     """A kind's watch on its own backend (the inference kind's `services.worker.probe`): the
     loop asks it to probe between tasks only, heartbeats what it says, and pulls nothing

@@ -29,8 +29,6 @@ import structlog
 from nats.aio.client import Client
 
 from schemas.events import Durations, TaskCompleted, TaskFailed, Tokens
-from schemas.models import ModelFacts
-from schemas.tasks import TaskMessage
 from schemas.work import Work
 from schemas.workers import Capability
 from services import __version__
@@ -41,7 +39,7 @@ from services.runtime.bus import connect
 from services.runtime.consumers import WEB_POOL, Queue
 from services.runtime.lifecycle import close_bus, stop_within
 from services.runtime.settings import WebSearchSettings
-from services.runtime.taskkind import Attempt, LoopSettings, loop_settings
+from services.runtime.taskkind import Attempt, KindDefaults, LoopSettings, loop_settings
 from services.runtime.taskloop import TaskLoop
 from services.web_search.searxng import SearxngClient
 from services.web_search.summary import (
@@ -62,8 +60,9 @@ T = TypeVar("T")
 WRAP_UP_S = 5.0
 
 
-class WebSearch:
-    """The web-search kind: SearXNG's results, summarised by a model when it can."""
+class WebSearch(KindDefaults):
+    """The web-search kind: SearXNG's results, summarised by a model when it can. Its
+    dependencies were checked (and logged) at start; its clients are the caller's to close."""
 
     def __init__(
         self, settings: WebSearchSettings, searxng: SearxngClient, backend: Backend
@@ -82,21 +81,8 @@ class WebSearch:
     def models(self) -> list[str]:
         return [self.settings.ollama_model]
 
-    @property
-    def facts(self) -> list[ModelFacts]:
-        return []
-
     def queues(self) -> list[Queue]:
         return [WEB_POOL]
-
-    async def prepare(self, stop: asyncio.Event) -> None:
-        """Nothing to learn: the dependencies were checked (and logged) at start."""
-
-    def serves(self, task: TaskMessage) -> bool:
-        return True
-
-    async def close(self) -> None:
-        """The clients are the caller's to close."""
 
     async def check_dependencies(self, nc: Client) -> None:
         """The start banner: version, then each dependency OK or what is wrong with it.
