@@ -62,6 +62,7 @@ from benchmarks.routing import worker_record
 from schemas.models import ModelFacts
 from schemas.route import RouteRequest
 from schemas.stats import COLD_LOAD_MIN_MS
+from schemas.subjects import SHARED_CPU
 from schemas.workers import WorkerRecord
 from services.fleet import health, policy
 from services.fleet.figures import Figure
@@ -317,7 +318,7 @@ class Simulation:
         request = self.requests[index]
         decision = self._route(request, now)
         self.view.routed(str(index), decision.worker_id, now, request.model, DOMAIN)
-        if decision.worker_id == policy.SHARED_WORKER:
+        if decision.worker_id == SHARED_CPU.name:
             self.shared.append(index)
             for name in sorted(self.machines):
                 self._next(name, now)

@@ -8,12 +8,38 @@ one clear error instead of silently addressing the wrong subject (a dot adds a t
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Final, Literal
 
 Tier = Literal["gpu", "cpu"]
 
-# The worker name a web-search task is routed to: the pool that shares ``tasks.web``.
-WEB_POOL = "web"
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """A queue that every worker of one kind pulls, through one durable consumer they all
+    bind: its ``name`` stands where a worker id would (a decision's worker, a ``routed``
+    event's), so no worker may take it as an id; its subject; its consumer; and what its
+    members do (their capability, which lets them record a task's outcome there)."""
+
+    name: str
+    queue: str
+    consumer: str
+    capability: str
+
+
+# CPU workers with nothing of their own to do take a task that every CPU worker is busy for.
+SHARED_CPU: Final = Pool("shared", "tasks.cpu.shared", "cpu-shared", "cpu_inference")
+# Every web-search task: they all share one queue.
+WEB: Final = Pool("web", "tasks.web", "web", "web_search")
+POOLS: Final = (SHARED_CPU, WEB)
+# Names that are queue tokens of their own and so cannot be worker ids.
+POOL_NAMES: Final = frozenset(pool.name for pool in POOLS)
+
+
+def pool_of_queue(queue: str) -> Pool | None:
+    """The pool whose subject ``queue`` is; None for a worker's own queue."""
+    return next((pool for pool in POOLS if pool.queue == queue), None)
+
 
 TASKS_STREAM: Final = "TASKS"
 EVENTS_STREAM: Final = "EVENTS"
@@ -75,18 +101,9 @@ CHUNKS: Final = "coordinator.chunk.*.*"
 # those only: nobody reads another's replies.
 INBOX: Final = "_INBOX"
 
-SHARED_CPU_QUEUE: Final = "tasks.cpu.shared"
-WEB_QUEUE: Final = "tasks.web"
-
-# Names that are queue tokens of their own and so cannot be worker ids.
-RESERVED_WORKER_IDS: Final = frozenset({"shared", "web"})
 
 # Durable consumer names: the services create them, the reaper and `coordinator doctor` look
 # them up, and the NATS permissions (`coordinator deploy`) name them.
-# The consumer every CPU worker binds for ``tasks.cpu.shared``.
-SHARED_CONSUMER: Final = "cpu-shared"
-# The consumer every web-search worker binds for ``tasks.web``.
-WEB_CONSUMER: Final = "web"
 # The stats service's projection of ``EVENTS``.
 STATS_CONSUMER: Final = "stats"
 _WORKER_CONSUMER_PREFIX: Final = "worker-"
@@ -121,7 +138,7 @@ def check_token(kind: str, value: str) -> str:
 def check_worker_id(worker_id: str) -> str:
     """Like `check_token`, also refusing the names that are queues of their own."""
     check_token("worker id", worker_id)
-    if worker_id in RESERVED_WORKER_IDS:
+    if worker_id in POOL_NAMES:
         raise InvalidId("worker id", worker_id)
     return worker_id
 
@@ -225,8 +242,5 @@ def worker_of_consumer(name: str) -> str | None:
 
 def queue_consumer(queue: str) -> str:
     """The consumer that delivers ``queue``: the shared pools' own, else its worker's."""
-    if queue == SHARED_CPU_QUEUE:
-        return SHARED_CONSUMER
-    if queue == WEB_QUEUE:
-        return WEB_CONSUMER
-    return worker_consumer(queue.rsplit(".", 1)[-1])
+    pool = pool_of_queue(queue)
+    return pool.consumer if pool is not None else worker_consumer(queue.rsplit(".", 1)[-1])

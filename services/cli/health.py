@@ -48,7 +48,7 @@ async def setup_streams(
     stream's copies when ``replicas`` was given.
     """
     from services.runtime.bus import connect, ensure_bucket, ensure_streams
-    from services.runtime.consumers import POOLS, ensure_consumer
+    from services.runtime.consumers import POOL_QUEUES, ensure_consumer
 
     nc = await connect(nats_url, "coordinator-setup", auth=auth)
     try:
@@ -61,7 +61,7 @@ async def setup_streams(
             if bucket != WORKERS_BUCKET:  # made with its TTL by ensure_streams
                 ttl_s = worker_ttl_s if bucket in LEASE_BUCKETS else None
                 await ensure_bucket(js, bucket, ttl_s=ttl_s)
-        for pool in POOLS:  # workers may pull from these, not make or change them
+        for pool in POOL_QUEUES:  # workers may pull from these, not make or change them
             await ensure_consumer(js, pool, ack_wait_s=DEFAULT_ACK_WAIT_S)
         if replicas is None:
             return []

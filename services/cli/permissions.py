@@ -26,7 +26,7 @@ from schemas.subjects import (
     REAPER_STATUS,
     ROUTE,
     ROUTER_HOLDS,
-    SHARED_CONSUMER,
+    SHARED_CPU,
     STATS,
     STATS_BASELINES,
     STATS_BUCKET,
@@ -36,7 +36,7 @@ from schemas.subjects import (
     STATS_ROLE,
     TASK,
     TASKS_STREAM,
-    WEB_CONSUMER,
+    WEB,
     WORKERS,
     WORKERS_BUCKET,
     InvalidId,
@@ -164,10 +164,10 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
                 *(
                     f"$JS.API.CONSUMER.{verb}.{TASKS_STREAM}.{name}"
                     for verb in ("INFO", "MSG.NEXT")
-                    for name in (own, SHARED_CONSUMER)
+                    for name in (own, SHARED_CPU.consumer)
                 ),
                 f"$JS.ACK.{TASKS_STREAM}.{own}.>",
-                f"$JS.ACK.{TASKS_STREAM}.{SHARED_CONSUMER}.>",
+                f"$JS.ACK.{TASKS_STREAM}.{SHARED_CPU.consumer}.>",
                 *_own_task_events(worker_id),
                 f"events.worker.{worker_id}.>",
                 f"$KV.{WORKERS_BUCKET}.{worker_id}",
@@ -188,9 +188,9 @@ def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
             publish=[
                 *_stream_info(TASKS_STREAM, EVENTS_STREAM, _kv(WORKERS_BUCKET)),
                 # The pool's consumer is made by `coordinator setup`: only pulled from here.
-                f"$JS.API.CONSUMER.INFO.{TASKS_STREAM}.{WEB_CONSUMER}",
-                f"$JS.API.CONSUMER.MSG.NEXT.{TASKS_STREAM}.{WEB_CONSUMER}",
-                f"$JS.ACK.{TASKS_STREAM}.{WEB_CONSUMER}.>",
+                f"$JS.API.CONSUMER.INFO.{TASKS_STREAM}.{WEB.consumer}",
+                f"$JS.API.CONSUMER.MSG.NEXT.{TASKS_STREAM}.{WEB.consumer}",
+                f"$JS.ACK.{TASKS_STREAM}.{WEB.consumer}.>",
                 *_own_task_events(worker_id),
                 f"events.worker.{worker_id}.>",
                 f"$KV.{WORKERS_BUCKET}.{worker_id}",

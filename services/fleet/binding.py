@@ -23,14 +23,13 @@ from collections.abc import Callable, Collection
 from typing import Final
 
 from schemas.events import TaskCompleted, TaskFailed, TaskStarted
-from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE
+from schemas.subjects import POOLS
 from services.errors import WorkerLost
-from services.fleet.policy import SHARED_WORKER
 
 # Each pool, and what a worker supports to be one of its members.
-POOL_MEMBERSHIP: Final = {SHARED_WORKER: "cpu_inference", WEB_POOL: "web_search"}
+POOL_MEMBERSHIP: Final = {pool.name: pool.capability for pool in POOLS}
 # The pools' queues, by the pool name an attempt routed there carries.
-_POOL_QUEUES: Final = {SHARED_CPU_QUEUE: SHARED_WORKER, WEB_QUEUE: WEB_POOL}
+_POOL_QUEUES: Final = {pool.queue: pool.name for pool in POOLS}
 
 # What a worker supports, by its id; None for a worker the reader does not know.
 Supports = Callable[[str], Collection[str] | None]

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.fleet.policy import PRIOR_COLD_LOAD_MS, PRIOR_TYPICAL_MS, SHARED_WORKER, Estimates
+from schemas.subjects import SHARED_CPU
+from services.fleet.policy import PRIOR_COLD_LOAD_MS, PRIOR_TYPICAL_MS, Estimates
 
 Queued = Mapping[str, Mapping[tuple[str | None, str | None], int]]
 """The tasks queued or running per worker id, counted by (model, domain); None where the
@@ -207,7 +208,7 @@ class Figures:
             # Asked only of a model a load would push out, which is rare.
             cold_load_of=self.cold_load_of,
             # The shared CPU queue's too: every CPU worker runs those between its own.
-            queued_ms=self.queued_ms(model, domain, [*ids, SHARED_WORKER], queued),
+            queued_ms=self.queued_ms(model, domain, [*ids, SHARED_CPU.name], queued),
             typical_ms=typical,
             warm_ms=warm,
             cold_load_ms=cold,

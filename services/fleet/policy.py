@@ -19,15 +19,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from schemas.models import DEFAULT_CAPABILITIES, does_not_support, missing
-from schemas.subjects import SHARED_CPU_QUEUE, WEB_POOL, WEB_QUEUE, Tier, worker_queue
+from schemas.subjects import SHARED_CPU, WEB, Tier, worker_queue
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
 from services.errors import NoWorker, UnsupportedCapability, WorkerUnavailable
 from services.fleet.health import degraded_reason, routable
 from services.fleet.memory import HeldModels
-
-# The worker name a task on the shared CPU queue is routed to.
-SHARED_WORKER = "shared"
-
 
 # Typical duration (ms) assumed when no worker has figures for the model yet: among workers
 # that all lack figures, any positive constant gives "least loaded first".
@@ -252,7 +248,7 @@ def choose(
 
     # The shared CPU queue's tasks, each CPU worker's share (it pulls them between its own).
     pulling = _pulling_shared(workers)
-    shared_ms = sum(known.queued_ms.get(SHARED_WORKER, ())) / max(pulling, 1)
+    shared_ms = sum(known.queued_ms.get(SHARED_CPU.name, ())) / max(pulling, 1)
 
     def best(pool: Sequence[WorkerRecord]) -> tuple[float, WorkerRecord]:
         found_ms, found = math.inf, pool[0]
@@ -286,7 +282,7 @@ def choose(
 
     tier = tier_of(pick)
     if tier == "cpu" and _shared_fits(cpu, pulling, known):
-        return Decision(SHARED_WORKER, "cpu", SHARED_CPU_QUEUE, "every cpu worker busy; shared")
+        return Decision(SHARED_CPU.name, "cpu", SHARED_CPU.queue, "every cpu worker busy; shared")
     return Decision(pick.worker_id, tier, worker_queue(tier, pick.worker_id), why)
 
 
@@ -311,7 +307,7 @@ def choose_web(workers: Collection[WorkerRecord]) -> Decision:
     """Web-search tasks go to the shared ``tasks.web`` queue while a web-search worker is live."""
     if not any("web_search" in w.supports for w in workers):
         raise NoWorker("no live web-search worker: start one with `coordinator web-search`")
-    return Decision(WEB_POOL, None, WEB_QUEUE, "shared web-search queue")
+    return Decision(WEB.name, None, WEB.queue, "shared web-search queue")
 
 
 def _inference(workers: Collection[WorkerRecord]) -> list[WorkerRecord]:

@@ -32,11 +32,10 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from schemas.subjects import WEB_POOL, queue_consumer, worker_consumer
+from schemas.subjects import POOL_NAMES, WEB, queue_consumer, worker_consumer
 from schemas.workers import WorkerRecord
 from services.fleet.health import degraded_reason, routable
 from services.fleet.liveness import is_live, live
-from services.fleet.policy import SHARED_WORKER
 from services.reaper.view import ConsumerHistory, Instance, TaskTrack
 
 DEAD_WORKER: Final = "dead_worker"
@@ -44,8 +43,6 @@ DEGRADED_WORKER: Final = "degraded_worker"
 STUCK_TASK: Final = "stuck_task"
 GHOST_PENDING: Final = "ghost_pending"
 DUPLICATE_CONSUMER: Final = "duplicate_consumer"
-
-POOLS: Final = frozenset({SHARED_WORKER, WEB_POOL})
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +144,7 @@ def dead_worker(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFinding 
     if (
         task.status not in ("queued", "running")
         or holder is None
-        or holder in POOLS
+        or holder in POOL_NAMES
         or holder in snap.asleep
         or snap.settling
     ):
@@ -183,7 +180,7 @@ def dead_worker(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFinding 
 def degraded_worker(task: TaskTrack, snap: Snapshot, th: Thresholds) -> TaskFinding | None:
     """Queued on the own queue of a live worker whose backend is degraded (it pulls nothing
     meanwhile)."""
-    if task.status != "queued" or task.worker is None or task.worker in POOLS:
+    if task.status != "queued" or task.worker is None or task.worker in POOL_NAMES:
         return None
     record = snap.workers.get(task.worker)
     if record is None or not is_live(record, snap.now, th.dead_after_s) or routable(record):
@@ -235,7 +232,7 @@ def ghost_pending(
         return None  # not looked at yet
     idle_s = snap.now - history.last_progress
     missing = history.exists and history.num_pending == 0 and history.num_ack_pending == 0
-    if task.worker in POOLS:
+    if task.worker in POOL_NAMES:
         pullers = _pool_pullers(task, snap, th)
         if not pullers:
             why = "no live worker that could pull it"
@@ -296,7 +293,7 @@ def ghost_pending(
 def _pool_pullers(task: TaskTrack, snap: Snapshot, th: Thresholds) -> list[WorkerRecord]:
     """Live workers that could take a task from its pool queue."""
     alive = live(snap.workers.values(), snap.now, th.dead_after_s)
-    if task.worker == WEB_POOL:
+    if task.worker == WEB.name:
         return [w for w in alive if "web_search" in w.supports]
     # Every worker that can run on its CPU binds the shared consumer (services/worker); a
     # degraded one pulls nothing.

@@ -41,25 +41,19 @@ from schemas.events import (
 from schemas.subjects import (
     EVENTS_STREAM,
     EVENTS_SUBJECTS,
+    POOL_NAMES,
     TASKS_STREAM,
-    WEB_POOL,
     queue_consumer,
     task_event_source,
     worker_consumer,
 )
 from services.fleet.figures import decode_figure
 from services.fleet.liveness import is_live, live
-from services.fleet.policy import SHARED_WORKER
 from services.reaper.settings import ReaperSettings
 from services.reaper.view import ConsumerSample, ReaperView
 from services.runtime.lifecycle import TaskSet
 from services.runtime.registry import RegistryFeed
-from services.runtime.watch import (
-    RECONNECT_CHECK_S,
-    follow_bucket,
-    reconnects,
-    value_of,
-)
+from services.runtime.watch import RECONNECT_CHECK_S, follow_bucket, reconnects, value_of
 
 log = structlog.get_logger("reaper")
 
@@ -108,7 +102,7 @@ class Feeds:
         awaited: dict[str, float] = {}
         for task in self.view.tasks.values():
             holder = task.holder
-            if not task.open or holder is None or holder in (SHARED_WORKER, WEB_POOL):
+            if not task.open or holder is None or holder in POOL_NAMES:
                 continue
             record = self.view.workers.get(holder)
             if record is None:

@@ -13,7 +13,7 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from schemas.subjects import RESERVED_WORKER_IDS, chunk_source
+from schemas.subjects import POOL_NAMES, chunk_source
 
 log = structlog.get_logger("router")
 
@@ -41,7 +41,7 @@ class ChunkRelay:
         routed = self.routed_to.get(task_id)
         if routed is None:
             return False
-        if routed[0] not in RESERVED_WORKER_IDS:
+        if routed[0] not in POOL_NAMES:
             return routed[0] == worker_id
         member = self._pool_member.setdefault(task_id, worker_id)
         return member == worker_id

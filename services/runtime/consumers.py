@@ -10,13 +10,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import BadRequestError, NotFoundError
 
-from schemas.subjects import (
-    SHARED_CONSUMER,
-    SHARED_CPU_QUEUE,
-    TASKS_STREAM,
-    WEB_CONSUMER,
-    WEB_QUEUE,
-)
+from schemas.subjects import SHARED_CPU, TASKS_STREAM, WEB
 
 log = structlog.get_logger("consumers")
 
@@ -43,11 +37,11 @@ class Queue:
 # The pools several workers share. `coordinator setup` makes their consumers, so a worker's
 # NATS user needs no right to create (or reconfigure) them; without setup, the first worker
 # to bind makes one.
-CPU_POOL: Final = Queue(SHARED_CONSUMER, SHARED_CPU_QUEUE, 1_000, checked=True)
+CPU_POOL: Final = Queue(SHARED_CPU.consumer, SHARED_CPU.queue, 1_000, checked=True)
 # Each web worker holds at most one task (or two for a moment, when a pull's message arrives
 # just after the pull gave up), so this allows dozens of them.
-WEB_POOL: Final = Queue(WEB_CONSUMER, WEB_QUEUE, 64)
-POOLS: Final = (CPU_POOL, WEB_POOL)
+WEB_POOL: Final = Queue(WEB.consumer, WEB.queue, 64)
+POOL_QUEUES: Final = (CPU_POOL, WEB_POOL)
 
 
 async def bind(

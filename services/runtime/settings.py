@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from schemas.subjects import InvalidId, check_worker_id
+from schemas.subjects import POOL_NAMES, InvalidId, check_worker_id
 from schemas.workers import Capability
 from services.errors import ConfigError
 
@@ -47,7 +47,7 @@ def default_worker_id() -> str:
     """The host's short name, made safe for a subject token."""
     name = socket.gethostname().split(".")[0]
     cleaned = re.sub(r"[^A-Za-z0-9_-]", "-", name).strip("-") or "worker"
-    return cleaned[:128] if cleaned not in {"shared", "web"} else f"{cleaned}-worker"
+    return cleaned[:128] if cleaned not in POOL_NAMES else f"{cleaned}-worker"
 
 
 def nats_servers(nats_url: str) -> list[str]:

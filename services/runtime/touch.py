@@ -25,7 +25,7 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from schemas.subjects import SHARED_CPU_QUEUE, WEB_QUEUE
+from schemas.subjects import SHARED_CPU, WEB
 from schemas.tasks import task_decoder
 from services.runtime.acks import NAK, STOP_SETTLE_S, settle
 from services.runtime.lease import Lease
@@ -108,7 +108,7 @@ class Touch:
         msg, self.parked = self.parked, None
         if msg is None:
             return None
-        pooled = msg.subject in (SHARED_CPU_QUEUE, WEB_QUEUE)
+        pooled = msg.subject in (SHARED_CPU.queue, WEB.queue)
         if pooled and time.time() - self._parked_at >= self.ack_wait_s / 2:
             self.runner.current_task = None
             await settle(self.runner.nc, msg, NAK)

@@ -25,7 +25,7 @@ from schemas.subjects import (
     EVENTS_STREAM,
     GATEWAY_KEYS_BUCKET,
     ROUTE,
-    SHARED_CONSUMER,
+    SHARED_CPU,
     STATS_EXCLUDE,
     STATS_REBUILD,
     TASK,
@@ -103,8 +103,8 @@ async def test_a_worker_cannot_inject_a_reply_or_a_streamed_piece_nor_reconfigur
             js.add_consumer(
                 TASKS_STREAM,
                 ConsumerConfig(
-                    name=SHARED_CONSUMER,
-                    durable_name=SHARED_CONSUMER,
+                    name=SHARED_CPU.consumer,
+                    durable_name=SHARED_CPU.consumer,
                     filter_subject="tasks.cpu.shared",
                     ack_wait=1.0,
                     max_deliver=1,
@@ -114,7 +114,7 @@ async def test_a_worker_cannot_inject_a_reply_or_a_streamed_piece_nor_reconfigur
         )
         assert isinstance(result[0], Exception)
         assert await refused(nc, errors, "$JS.API.CONSUMER.CREATE.TASKS.cpu-shared")
-        info = await admin.jetstream().consumer_info(TASKS_STREAM, SHARED_CONSUMER)
+        info = await admin.jetstream().consumer_info(TASKS_STREAM, SHARED_CPU.consumer)
         assert info.config.ack_wait == 30.0 and info.config.max_deliver in (None, -1)
         assert not errors.about(f"coordinator.chunk.{WORKER}.t1")
     finally:

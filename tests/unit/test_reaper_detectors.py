@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from schemas.subjects import SHARED_CONSUMER, WEB_CONSUMER
+from schemas.subjects import SHARED_CPU, WEB
 from schemas.workers import WorkerRecord
 from services.reaper.detectors import Snapshot, TaskFinding, Thresholds, detect
 from services.reaper.view import ConsumerHistory, Instance, TaskTrack
@@ -149,7 +149,7 @@ def test_a_sleeping_workers_tasks_are_the_routers_to_wake_it_for() -> None:
 
 def test_pool_tasks_not_yet_started_have_no_worker_to_die() -> None:
     shared = task("queued", worker="shared", age=1)
-    assert found(snap([shared], [], {SHARED_CONSUMER: consumer()})) == []
+    assert found(snap([shared], [], {SHARED_CPU.consumer: consumer()})) == []
 
 
 # -- stuck task
@@ -247,7 +247,7 @@ def test_a_task_submitted_long_ago_and_never_routed_is_a_ghost() -> None:
 def test_a_shared_task_no_live_cpu_worker_can_pull_is_a_ghost() -> None:
     shared = task("queued", worker="shared", age=11)
     gpu_only = worker("g", supports=["gpu_inference"])
-    finding = only(snap([shared], [gpu_only], {SHARED_CONSUMER: consumer()}))
+    finding = only(snap([shared], [gpu_only], {SHARED_CPU.consumer: consumer()}))
     assert finding.detail.endswith("no live worker that could pull it")
 
 
@@ -255,7 +255,7 @@ def test_no_queue_is_called_a_ghost_while_the_registry_settles_after_a_reconnect
     # The incident: heartbeats from before a nats-server restart, judged 2.8 s after it.
     shared = task("queued", worker="shared", age=11)
     own = task("queued", age=11, task_id="t-2")
-    consumers = {SHARED_CONSUMER: consumer(), "worker-a": consumer(idle=11, waiting=0)}
+    consumers = {SHARED_CPU.consumer: consumer(), "worker-a": consumer(idle=11, waiting=0)}
     stale = worker("a", beat_age=5)
     assert found(snap([shared, own], [stale], consumers, settling=True)) == []
     assert found(snap([shared, own], [worker("a")], consumers, settling=True)) == []
@@ -264,12 +264,12 @@ def test_no_queue_is_called_a_ghost_while_the_registry_settles_after_a_reconnect
 def test_a_shared_task_waits_while_the_cpu_workers_are_busy() -> None:
     shared = task("queued", worker="shared", age=60)
     busy = worker("c", state="busy", current_task="t-0")
-    assert found(snap([shared], [busy], {SHARED_CONSUMER: consumer(idle=60, waiting=0)})) == []
+    assert found(snap([shared], [busy], {SHARED_CPU.consumer: consumer(idle=60, waiting=0)})) == []
 
 
 def test_a_web_task_with_web_workers_live_but_no_consumer_is_a_ghost() -> None:
     web = task("queued", worker="web", age=11, task_type="web_search")
-    finding = only(snap([web], [worker("w", supports=["web_search"])], {WEB_CONSUMER: MISSING}))
+    finding = only(snap([web], [worker("w", supports=["web_search"])], {WEB.consumer: MISSING}))
     assert "could pull it but none ever has" in finding.detail
 
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 
 from schemas.subjects import (
-    SHARED_CONSUMER,
-    SHARED_CPU_QUEUE,
-    WEB_CONSUMER,
-    WEB_QUEUE,
+    POOL_NAMES,
+    SHARED_CPU,
+    WEB,
     InvalidId,
+    pool_of_queue,
     queue_consumer,
     task_event,
     task_event_source,
@@ -46,10 +46,10 @@ def test_names_that_are_queues_of_their_own_cannot_be_worker_ids(reserved: str) 
 
 def test_each_queue_is_delivered_by_its_consumer() -> None:
     assert queue_consumer(worker_queue("gpu", "mac")) == worker_consumer("mac") == "worker-mac"
-    assert queue_consumer(SHARED_CPU_QUEUE) == SHARED_CONSUMER
-    assert queue_consumer(WEB_QUEUE) == WEB_CONSUMER
+    assert queue_consumer(SHARED_CPU.queue) == SHARED_CPU.consumer
+    assert queue_consumer(WEB.queue) == WEB.consumer
     assert worker_of_consumer(worker_consumer("mac")) == "mac"
-    assert worker_of_consumer(SHARED_CONSUMER) is None
+    assert worker_of_consumer(SHARED_CPU.consumer) is None
 
 
 def test_a_task_events_subject_names_the_worker_that_recorded_it() -> None:
@@ -57,3 +57,12 @@ def test_a_task_events_subject_names_the_worker_that_recorded_it() -> None:
     assert task_event_source(task_event("t1", "failed")) is None  # the router's or reaper's
     assert task_event_source("events.worker.box-1.registered") is None
     assert task_event_source("coordinator.chunk.box-1.t1") is None
+
+
+def test_each_pool_is_declared_once_with_its_queue_consumer_and_members() -> None:
+    for pool in (SHARED_CPU, WEB):
+        assert pool_of_queue(pool.queue) is pool
+        assert queue_consumer(pool.queue) == pool.consumer
+        assert pool.name in POOL_NAMES
+    assert pool_of_queue(worker_queue("cpu", "box-1")) is None
+    assert queue_consumer(worker_queue("cpu", "box-1")) == worker_consumer("box-1")
