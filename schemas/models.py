@@ -4,18 +4,20 @@ register, and the rules every service applies to them.
 Capabilities are Ollama's words (``/api/show``): ``completion`` (generates text), ``tools``
 (can answer with tool calls), ``vision`` (reads images), ``embedding`` (makes vectors),
 ``thinking`` (reasons apart from its answer), ``insert`` (fills in between a prompt and a
-suffix). A request needs some of them (`needed_capabilities`); the router sends it only to a
-worker whose copy of the model has them all (lesson 12).
+suffix). A request needs some of them (`needs_of`); the router sends it only to a worker
+whose copy of the model has them all (`lacks`, `can_serve`; lesson 12). The one module of
+these rules and the names' (`resolve_name`): every service applies them from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Final
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final, Protocol
 
 import msgspec
 
 from schemas.base import Wire
+from schemas.work import Work
 
 COMPLETION: Final = "completion"
 TOOLS: Final = "tools"
@@ -118,6 +120,18 @@ def needed_capabilities(
     return tuple(needs)
 
 
+def needs_of(work: Work) -> tuple[str, ...]:
+    """The model capabilities a request (or its task) needs: the router and the reaper route
+    it only to a worker whose copy of the model has them all."""
+    return needed_capabilities(
+        task_type=work.task_type,
+        tools=bool(work.tools),
+        images=bool(work.images) or any(m.images for m in work.messages or ()),
+        think=work.think,
+        suffix=bool(work.suffix),
+    )
+
+
 def missing(needed: Iterable[str], capabilities: Iterable[str]) -> list[str]:
     """The needed capabilities that ``capabilities`` lacks, in ``needed``'s order."""
     have = set(capabilities)
@@ -132,3 +146,23 @@ def does_not_support(model: str, lacking: Iterable[str]) -> str:
     if lacking == [THINKING]:
         return f'"{model}" does not support thinking'
     return f"{model} does not support " + "\n".join(lacking)
+
+
+class Serving(Protocol):
+    """A worker as the capability rules see it (`schemas.workers.WorkerRecord`)."""
+
+    @property
+    def models(self) -> Sequence[str]: ...
+
+    def facts_of(self, model: str) -> ModelFacts: ...
+
+
+def lacks(worker: Serving, model: str, needs: Sequence[str]) -> list[str]:
+    """What ``worker``'s copy of ``model`` lacks of ``needs`` (lesson 12: a request goes only
+    to a copy that can do all of it, never to one that would drop the tools or images)."""
+    return missing(needs, worker.facts_of(model).capabilities)
+
+
+def can_serve(worker: Serving, model: str, needs: Sequence[str]) -> bool:
+    """Does ``worker`` serve ``model`` with every capability in ``needs``?"""
+    return model in worker.models and not lacks(worker, model, needs)

@@ -5,24 +5,11 @@ from __future__ import annotations
 from typing import Final
 
 from schemas.base import Wire
-from schemas.models import needed_capabilities
 from schemas.work import BothShapes, TaskType, Work
 
 # Task kinds that one host serves (lesson 8): they are never re-dispatched to another worker,
 # not by the reaper, not by a worker taking over a dead one's message. Their failures surface.
 NON_RETRYABLE_TASK_TYPES: Final[frozenset[TaskType]] = frozenset({"web_search"})
-
-
-def needs_of(work: Work) -> tuple[str, ...]:
-    """The model capabilities a request (or its task) needs: the router and the reaper route
-    it only to a worker whose copy of the model has them all."""
-    return needed_capabilities(
-        task_type=work.task_type,
-        tools=bool(work.tools),
-        images=bool(work.images) or any(m.images for m in work.messages or ()),
-        think=work.think,
-        suffix=bool(work.suffix),
-    )
 
 
 def is_retryable(task_type: TaskType) -> bool:

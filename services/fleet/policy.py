@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from schemas.models import DEFAULT_CAPABILITIES, does_not_support, missing
+from schemas.models import DEFAULT_CAPABILITIES, can_serve, does_not_support, lacks
 from schemas.subjects import SHARED_CPU, WEB, Tier, worker_queue
 from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
 from services.errors import NoWorker, UnsupportedCapability, WorkerUnavailable
@@ -90,17 +90,6 @@ def tier_of(record: WorkerRecord) -> Tier:
 def tier_label(record: WorkerRecord) -> str:
     """What ``coordinator workers`` shows: gpu, cpu, or web for a web-search-only worker."""
     return tier_of(record) if INFERENCE_CAPABILITIES.intersection(record.supports) else "web"
-
-
-def lacks(record: WorkerRecord, model: str, needs: Sequence[str]) -> list[str]:
-    """What ``record``'s copy of ``model`` lacks of ``needs`` (lesson 12: a request goes only
-    to a copy that can do all of it, never to one that would drop the tools or images)."""
-    return missing(needs, record.facts_of(model).capabilities)
-
-
-def can_serve(record: WorkerRecord, model: str, needs: Sequence[str]) -> bool:
-    """Does ``record`` serve ``model`` with every capability in ``needs``?"""
-    return model in record.models and not lacks(record, model, needs)
 
 
 @dataclass(frozen=True, slots=True)

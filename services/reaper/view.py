@@ -26,8 +26,9 @@ from schemas.events import (
     TaskStarted,
     TaskSubmitted,
 )
+from schemas.models import needs_of
 from schemas.route import TaskType
-from schemas.tasks import is_retryable, needs_of
+from schemas.tasks import is_retryable
 from schemas.workers import WorkerRecord
 from services.fleet.binding import refusal
 from services.fleet.figures import Figures
@@ -62,7 +63,7 @@ class TaskTrack:
     failure_code: str | None = None
     """The retryable failure of the current attempt (status ``retry``)."""
     needs: tuple[str, ...] = ()
-    """The model capabilities the task needs (`schemas.tasks.needs_of`); () before its
+    """The model capabilities the task needs (`schemas.models.needs_of`); () before its
     submission is seen."""
     domain: str | None = None
     """The domain its routing used (from its ``routed``, else as submitted): which figures

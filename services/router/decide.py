@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from schemas.models import needs_of
 from schemas.route import RouteRequest
-from schemas.tasks import needs_of
 from schemas.work import Work
 from schemas.workers import WorkerRecord
 from services.errors import BadRequest, NoWorker, UnsupportedCapability

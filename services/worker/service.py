@@ -19,10 +19,10 @@ from nats.aio.client import Client
 from opentelemetry import trace
 
 from schemas.events import Durations, TaskCompleted, TaskFailed
-from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing
+from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing, needs_of
 from schemas.route import ToolCall
 from schemas.subjects import worker_consumer, worker_queue_filter
-from schemas.tasks import TaskMessage, needs_of
+from schemas.tasks import TaskMessage
 from schemas.work import Work
 from services.backends import Backend, Embedding, Generation, OnChunk, Progress, embedding_work
 from services.backends.choose import make_backend

@@ -7,15 +7,17 @@ import pytest
 from schemas.events import TaskSubmitted
 from schemas.models import (
     ModelFacts,
+    can_serve,
     does_not_support,
     facts_in,
     has_tag,
+    lacks,
     name_variants,
     needed_capabilities,
+    needs_of,
     resolve_name,
 )
 from schemas.route import ChatMessage, RouteRequest
-from schemas.tasks import needs_of
 from schemas.workers import Capability, WorkerRecord
 from services.errors import UnsupportedCapability, WorkerUnavailable
 from services.fleet.policy import Estimates, choose, choose_sleeper
@@ -114,6 +116,14 @@ def test_a_worker_without_facts_is_taken_to_generate_only() -> None:
     assert facts_in([], "m").capabilities == ["completion"]
     old = worker("old", "m")
     assert old.facts_of("m").capabilities == ["completion"]
+
+
+def test_a_copy_lacks_what_its_facts_do_not_list_and_serves_only_its_models() -> None:
+    copy = worker("cpu", "qwen3:8b", "completion", "tools")
+    assert lacks(copy, "qwen3:8b", ("completion", "vision", "tools")) == ["vision"]
+    assert can_serve(copy, "qwen3:8b", ("completion", "tools"))
+    assert not can_serve(copy, "qwen3:8b", ("completion", "vision"))
+    assert not can_serve(copy, "llama3.2:1b", ("completion",))  # not among its models
 
 
 def test_a_tools_request_goes_only_to_a_copy_with_tools() -> None:
