@@ -6,7 +6,8 @@ restarted reaper (``kill -9`` included) rebuilds what is under way from the log 
 judges anything. Each look also samples the consumer info of the
 queues that hold open tasks and of every live worker's own consumer.
 
-The registry's settling (`services.fleet.settling`) is kept here too: from a start until the
+The registry's settling (`services.fleet.settling`, through the feed every judge of liveness
+shares, `services.runtime.registry`) is kept here too: from a start until the
 workers that hold open tasks have been heard from (at most ``WORKER_TTL_S``), and from a
 reconnect until the bucket has been read again and the workers live before the outage have
 heartbeated again (at most ``WORKER_TTL_S``), no worker is judged not live.
