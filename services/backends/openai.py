@@ -96,9 +96,7 @@ class OpenAIBackend:
             async with self._client.sent("GET", "/models", deadlines=deadlines) as reply:
                 status, content = reply.status, await reply.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise BackendUnavailable(
-                f"{self._base_url} cannot be reached: {describe(exc)}"
-            ) from exc
+            raise self._unreachable(exc) from exc
         if status != 200:
             raise answer_error(status, f"{self._base_url}/models answered HTTP {status}")
         return decode_models(content, self._base_url)
@@ -132,9 +130,7 @@ class OpenAIBackend:
                 f"{self._base_url} did not finish {model} within {timeout_s:g} s"
             ) from exc
         except aiohttp.ClientError as exc:
-            raise BackendUnavailable(
-                f"{self._base_url} cannot be reached: {describe(exc)}"
-            ) from exc
+            raise self._unreachable(exc) from exc
 
     async def _stream(
         self,
@@ -207,9 +203,7 @@ class OpenAIBackend:
                 f"{self._base_url} did not embed with {model} within {timeout_s:g} s"
             ) from exc
         except aiohttp.ClientError as exc:
-            raise BackendUnavailable(
-                f"{self._base_url} cannot be reached: {describe(exc)}"
-            ) from exc
+            raise self._unreachable(exc) from exc
         if status != 200:
             text = content.decode(errors="replace")
             raise answer_error(
