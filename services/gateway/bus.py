@@ -77,13 +77,25 @@ class Replies:
         self._queues.pop(subject, None)
 
 
-async def next_msg(queue: asyncio.Queue[Msg], timeout_s: float) -> Msg | None:
-    """The next message, or None after ``timeout_s`` of silence."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await queue.get()
-    except TimeoutError:
-        return None
+class SharedReplies:
+    """One reply subject of `Replies`, as a streamed request reads it
+    (`services.runtime.request.ReplySubject`). Closing it is its opener's: a relay whose client
+    went away hands it to the cancel, which still reads what arrives."""
+
+    def __init__(self, inbox: str, queue: asyncio.Queue[Msg]) -> None:
+        self.inbox = inbox
+        self._queue = queue
+
+    async def next_msg(self, timeout_s: float) -> Msg | None:
+        """The next message, or None after ``timeout_s`` of silence."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._queue.get()
+        except TimeoutError:
+            return None
+
+    async def close(self) -> None:
+        """Nothing here: its opener closes it (`Replies.close`)."""
 
 
 class FleetBus:

@@ -28,18 +28,19 @@ import msgspec
 import structlog
 from aiohttp import web
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from schemas.route import RouteRequest, StreamChunk
 from schemas.subjects import ROUTE
 from services.errors import TooLarge
-from services.gateway.bus import FleetBus, next_msg
+from services.gateway.bus import FleetBus, SharedReplies
 from services.gateway.common import ApiError, Shape
 from services.gateway.responses import JSON, error_response
 from services.gateway.settings import GatewaySettings
 from services.gateway.streamed import Sent
 from services.gateway.task_api import TaskShape
 from services.runtime.lifecycle import TaskSet
-from services.runtime.request import StreamedRequest, new_task_id
+from services.runtime.request import ReplySubject, StreamedRequest, new_task_id
 
 log = structlog.get_logger("gateway")
 
@@ -73,8 +74,14 @@ class Relay:
         stream = route.stream
         if route.task_id is None:
             route = msgspec.structs.replace(route, task_id=new_task_id())
-        inbox, queue = self.replies.open()
-        handed_over = False  # to the task that cancels for a client gone away
+        opened: list[tuple[str, asyncio.Queue[Msg]]] = []  # reply subjects, the current last
+
+        async def open_replies() -> ReplySubject:
+            inbox, queue = self.replies.open()
+            opened.append((inbox, queue))
+            return SharedReplies(inbox, queue)
+
+        handed_over: str | None = None  # to the task that cancels for a client gone away
         task_id: str | None = None
         response: web.StreamResponse | None = None
         status = 200
@@ -95,8 +102,7 @@ class Relay:
                 self.nc,
                 ROUTE,
                 encoded,
-                inbox=inbox,
-                next_msg=lambda timeout_s: next_msg(queue, timeout_s),
+                open_replies=open_replies,
                 timeout_s=self._wait_s(route),
                 reask_s=self.settings.gateway_reask_s,
                 on_ask_again=lambda: log.info(
@@ -140,12 +146,15 @@ class Relay:
             return response
         except (asyncio.CancelledError, ConnectionResetError):
             status = 499  # nginx's "client closed request", for the log line only
-            self.tasks.spawn(self.bus.cancel_abandoned(inbox, queue, task_id), name="cancel")
-            handed_over = True
+            if opened:
+                inbox, queue = opened[-1]
+                self.tasks.spawn(self.bus.cancel_abandoned(inbox, queue, task_id), name="cancel")
+                handed_over = inbox
             raise
         finally:
-            if not handed_over:
-                self.replies.close(inbox)
+            for inbox, _ in opened:
+                if inbox != handed_over:
+                    self.replies.close(inbox)
             log.info(
                 "request",
                 path=request.path,

@@ -23,12 +23,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Final
+from typing import Final, Protocol
 
 import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from schemas.route import CHUNK_HEADER, ErrorBody, StreamChunk
 from services.errors import (
@@ -181,10 +182,21 @@ def raise_if_error(data: bytes, headers: dict[str, str]) -> None:
     raise from_code(detail.code, detail.message)
 
 
-NextMsg = Callable[[float], Awaitable[Msg | None]]
-"""The next reply on a request's reply subject within that many seconds; None after as long a
-silence. Its owner (a subscription of its own, or a reply subject shared by many requests)
-decides how replies arrive."""
+class ReplySubject(Protocol):
+    """A reply subject and what arrives on it: a subscription of its own (`stream_call`), or
+    one of many on a subscription shared by the caller's requests (the gateway's)."""
+
+    @property
+    def inbox(self) -> str: ...
+
+    async def next_msg(self, timeout_s: float) -> Msg | None:
+        """The next reply within ``timeout_s``; None after as long a silence."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+OpenReplySubject = Callable[[], Awaitable[ReplySubject]]
 
 
 class StreamedRequest:
@@ -192,6 +204,13 @@ class StreamedRequest:
     as every caller speaks it (the CLI through `stream_call`, the gateway with its shared
     reply subject). In steps: `send`, `replies` (each reply read: a chunk, the final reply, a
     silence or a refusal handled), `_ask_again`.
+
+    A refusal that comes after the request was asked again may be stale: a router that took
+    an earlier copy decided before another router recorded the task from a later one, and its
+    answer was held up (a node cut off, a client reconnecting meanwhile that lost the other
+    router's answer). So such a refusal is checked once: the request is asked again on a
+    fresh reply subject (``open_replies``), where nothing sent before can arrive, and that
+    answer is the one taken (a router answers a request naming a recorded task as the task).
 
     ``timeout_s`` bounds the silence before the answer's end. With ``reask_s`` (a request
     that can be asked again, such as a route request naming its task), a silence that long
@@ -209,8 +228,7 @@ class StreamedRequest:
         subject: str,
         body: bytes,
         *,
-        inbox: str,
-        next_msg: NextMsg,
+        open_replies: OpenReplySubject,
         timeout_s: float,
         reask_s: float | None = None,
         unserved: _Unserved | None = None,
@@ -219,8 +237,8 @@ class StreamedRequest:
         self.nc = nc
         self.subject = subject
         self.body = body
-        self.inbox = inbox
-        self.next_msg = next_msg
+        self.open_replies = open_replies
+        self._replies: ReplySubject | None = None
         self.timeout_s = timeout_s
         self.reask_s = reask_s
         self.unserved = unserved
@@ -229,7 +247,15 @@ class StreamedRequest:
         self.asked_again = False
         """Asked again after a silence: a "no responders" answer then only means that nobody
         was there to take the repeat, and the next silence asks again."""
+        self.checked = False
+        """A refusal after asking again was checked on a fresh reply subject."""
         self.heard = time.monotonic()
+
+    @property
+    def inbox(self) -> str:
+        """The reply subject the answer comes to now."""
+        assert self._replies is not None, "replies() opens it"
+        return self._replies.inbox
 
     async def send(self) -> None:
         with _bus_errors(self.subject):
@@ -238,6 +264,14 @@ class StreamedRequest:
 
     async def replies(self) -> AsyncIterator[StreamChunk | bytes]:
         """Send the request, then yield its chunks and, last, its final reply's bytes."""
+        self._replies = await self.open_replies()
+        try:
+            async for item in self._read():
+                yield item
+        finally:
+            await self._replies.close()
+
+    async def _read(self) -> AsyncIterator[StreamChunk | bytes]:
         await self.send()
         while True:
             msg = await self._next()
@@ -261,8 +295,22 @@ class StreamedRequest:
             except Unavailable as exc:
                 await self._unserved(exc)
                 continue
+            except CoordinatorError:
+                if not self.asked_again or self.checked:
+                    raise
+                await self._check_refusal()
+                continue
             yield msg.data
             return
+
+    async def _check_refusal(self) -> None:
+        """Ask again on a fresh reply subject: a refusal after asking again may be stale."""
+        assert self._replies is not None
+        stale, self._replies = self._replies, await self.open_replies()
+        await stale.close()
+        self.checked = True
+        self.heard = time.monotonic()
+        await self._ask_again()
 
     async def _next(self) -> Msg | None:
         """The next reply; None after a silence that asked the request again. Raises when
@@ -272,9 +320,10 @@ class StreamedRequest:
         if self.reask_s is not None:
             wait_s = min(wait_s, self.reask_s)
         failed: Unavailable | None = None
+        assert self._replies is not None
         try:
             with _bus_errors(self.subject):
-                msg = await self.next_msg(max(wait_s, 0.001))
+                msg = await self._replies.next_msg(max(wait_s, 0.001))
         except Unavailable as exc:  # the connection is reconnecting
             msg, failed = None, exc
         if msg is not None:
@@ -318,31 +367,44 @@ async def stream_call(
     unserved_s: float | None = None,
     on_unserved: OnUnserved | None = None,
 ) -> AsyncIterator[StreamChunk | bytes]:
-    """A `StreamedRequest` on a reply subject of its own, subscribed before the request goes
-    out so that no chunk can be missed: its chunks, then its final reply (yielded as bytes).
-    ``unserved_s``: how long a request nobody can serve just now is asked again."""
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
+    """A `StreamedRequest` on reply subjects of its own, each subscribed before the request
+    goes out so that no chunk can be missed: its chunks, then its final reply (yielded as
+    bytes). ``unserved_s``: how long a request nobody can serve just now is asked again."""
 
-    async def next_msg(timeout_s: float) -> Msg | None:
-        try:
-            return await sub.next_msg(timeout=timeout_s)
-        except nats.errors.TimeoutError:
-            return None
+    async def open_replies() -> ReplySubject:
+        return await _Subscribed.open(nc)
 
     request = StreamedRequest(
         nc,
         subject,
         body,
-        inbox=inbox,
-        next_msg=next_msg,
+        open_replies=open_replies,
         timeout_s=timeout_s,
         reask_s=reask_s,
         unserved=None if unserved_s is None else _Unserved(subject, unserved_s, on_unserved),
     )
-    try:
-        async for item in request.replies():
-            yield item
-    finally:
+    async for item in request.replies():
+        yield item
+
+
+class _Subscribed:
+    """A reply subject with a subscription of its own."""
+
+    def __init__(self, inbox: str, sub: Subscription) -> None:
+        self.inbox = inbox
+        self._sub = sub
+
+    @classmethod
+    async def open(cls, nc: Client) -> _Subscribed:
+        inbox = nc.new_inbox()
+        return cls(inbox, await nc.subscribe(inbox))
+
+    async def next_msg(self, timeout_s: float) -> Msg | None:
+        try:
+            return await self._sub.next_msg(timeout=timeout_s)
+        except nats.errors.TimeoutError:
+            return None
+
+    async def close(self) -> None:
         with suppress(Exception):
-            await sub.unsubscribe()
+            await self._sub.unsubscribe()

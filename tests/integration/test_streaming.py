@@ -8,12 +8,14 @@ import msgspec
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.route import CHUNK_HEADER, RouteReply, StreamChunk
 from schemas.subjects import chunk_subject
-from services.errors import NoResponder, WaitTimeout
+from services.errors import NoResponder, NoWorker, WaitTimeout
+from services.runtime.endpoints import error_body
 from services.runtime.request import stream_call
 from tests.harness import (
     ServiceRunner,
@@ -158,5 +160,75 @@ async def test_a_service_that_takes_a_request_and_never_answers_is_a_wait_timeou
         with pytest.raises(NoResponder):  # nobody listens at all
             async for _ in stream_call(nc, "nobody.listens", b"{}", timeout_s=5):
                 pass
+    finally:
+        await nc.close()
+
+
+class _Refuser:
+    """A service that takes a request and stays silent until it is asked again, then refuses
+    on the first reply subject (a router's stale answer, held up), and answers ``final`` on
+    any later reply subject (a router that follows the task another one recorded)."""
+
+    def __init__(self, nc: Client, final: bytes | None) -> None:
+        self.nc = nc
+        self.final = final
+        self.asked: list[str] = []
+
+    async def on_request(self, msg: Msg) -> None:
+        self.asked.append(msg.reply)
+        first = self.asked[0]
+        if msg.reply == first and len(self.asked) == 2:  # asked again: the stale refusal
+            await self.nc.publish(
+                first,
+                error_body("no_worker", "no live worker serves model 'm'"),
+                headers={"Nats-Service-Error-Code": "no_worker", "Nats-Service-Error": "no"},
+            )
+        elif msg.reply != first:
+            if self.final is None:
+                await self.nc.publish(
+                    msg.reply,
+                    error_body("no_worker", "still no live worker"),
+                    headers={"Nats-Service-Error-Code": "no_worker", "Nats-Service-Error": "no"},
+                )
+            else:
+                await self.nc.publish(msg.reply, self.final)
+
+
+async def test_a_refusal_after_asking_again_is_checked_on_a_fresh_reply_subject(
+    nats_server: NatsServer,
+) -> None:
+    """A router that took the first copy of a request may refuse it late, after another
+    router recorded and ran the task from a copy asked again; its refusal is not the answer.
+    The request is asked again on a reply subject nothing earlier can reach, and that answer
+    is taken: the task as recorded, or the refusal when it is one still."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        ran = _Refuser(nc, final=b'{"status": "done"}')
+        await nc.subscribe("route.ran", cb=ran.on_request)
+        items = [i async for i in stream_call(nc, "route.ran", b"{}", 10, reask_s=0.3)]
+        assert items == [b'{"status": "done"}']
+        assert len(set(ran.asked)) == 2  # the first reply subject, then a fresh one
+
+        refused = _Refuser(nc, final=None)
+        await nc.subscribe("route.refused", cb=refused.on_request)
+        with pytest.raises(NoWorker, match="still no live worker"):
+            async for _ in stream_call(nc, "route.refused", b"{}", 10, reask_s=0.3):
+                pass
+
+        once: list[str] = []  # refused at once: nothing was asked again, nothing to check
+
+        async def refuse_now(msg: Msg) -> None:
+            once.append(msg.reply)
+            await nc.publish(
+                msg.reply,
+                error_body("no_worker", "no live worker"),
+                headers={"Nats-Service-Error-Code": "no_worker", "Nats-Service-Error": "no"},
+            )
+
+        await nc.subscribe("route.once", cb=refuse_now)
+        with pytest.raises(NoWorker):
+            async for _ in stream_call(nc, "route.once", b"{}", 10, reask_s=5):
+                pass
+        assert len(once) == 1
     finally:
         await nc.close()
