@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import ssl
 import sys
 from collections.abc import Awaitable, Callable
@@ -512,6 +513,18 @@ def fences_by_subject(nc: Client) -> bool:
 def is_wrong_last_sequence(exc: BaseException) -> bool:
     """Was a publish refused because its expected last sequence was not the stream's?"""
     return isinstance(exc, APIError) and exc.err_code == WRONG_LAST_SEQUENCE
+
+
+_LAST_SEQUENCE_SAID: Final = re.compile(r"wrong last sequence: (\d+)")
+
+
+def last_sequence_said(exc: BaseException) -> int | None:
+    """The last sequence a refused fence found on its subject, as the stream's leader says it
+    in the refusal (``wrong last sequence: 12``); None when the error does not say."""
+    if not is_wrong_last_sequence(exc):
+        return None
+    found = _LAST_SEQUENCE_SAID.search(str(getattr(exc, "description", "") or ""))
+    return int(found.group(1)) if found else None
 
 
 async def publish_event(

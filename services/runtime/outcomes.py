@@ -33,7 +33,12 @@ from schemas.events import (
 )
 from schemas.subjects import EVENTS_STREAM, task_event, task_event_source, workers_task_event
 from schemas.tasks import TaskMessage
-from services.runtime.bus import fences_by_subject, is_wrong_last_sequence, publish_event
+from services.runtime.bus import (
+    fences_by_subject,
+    is_wrong_last_sequence,
+    last_sequence_said,
+    publish_event,
+)
 
 log = structlog.get_logger("outcomes")
 
@@ -235,6 +240,23 @@ async def superseded(js: JetStreamContext, task: TaskMessage) -> bool:
     return isinstance(failed, TaskFailed) and failed.attempt >= task.attempt
 
 
+async def fenced_out(
+    js: JetStreamContext, task: TaskMessage, fence: tuple[str, int], refusal: BaseException
+) -> bool:
+    """Was this attempt's fenced write refused because it was moved on or failed for good?
+
+    The refusal itself says which sequence is now the last on the attempt's ``routed``
+    subject, as the stream's leader found it with the write: a later one is a newer
+    ``routed`` (a move, or the reaper's fence before it fails the attempt); an earlier one
+    (0 included) is its ``routed`` gone, the log cut. Only when the refusal does not say is
+    the log read (`superseded`), and that read may come from a copy that lags: a worker
+    whose node was cut off reads its own node's, which has not heard of the move yet."""
+    said = last_sequence_said(refusal)
+    if said is not None:
+        return said > fence[1]
+    return await superseded(js, task)
+
+
 def attempt_fence(nc: Client, task: TaskMessage) -> tuple[str, int] | None:
     """The fence of this attempt's own events (its ``started`` and its outcome): stored only
     while the attempt's ``routed`` is the task's last one, so nothing of an attempt the
@@ -265,7 +287,7 @@ async def store_attempt_outcome(
     except Exception as exc:
         if fence is None or not is_wrong_last_sequence(exc):
             raise
-        if await superseded(js, task):
+        if await fenced_out(js, task, fence, exc):
             return False
         await store_outcome(js, outcome, by=by)  # its ``routed`` is gone (the log was cut)
     return True
@@ -293,7 +315,7 @@ async def claim(nc: Client, js: JetStreamContext, started: TaskStarted, task: Ta
             return True
         except Exception as exc:
             if fence is not None and is_wrong_last_sequence(exc):
-                if await superseded(js, task):
+                if await fenced_out(js, task, fence, exc):
                     return False
                 fence = None  # its ``routed`` is gone (the log was cut): run what is held
                 continue

@@ -39,6 +39,7 @@ from services.reaper.detectors import TaskFinding
 from services.reaper.handling import FindingHandler
 from services.reaper.settings import ReaperSettings
 from services.reaper.view import ReaperView, TaskTrack
+from services.runtime import outcomes
 from services.runtime.bus import ensure_streams, publish_event
 from services.runtime.settings import WorkerSettings
 from services.worker.service import serve as serve_worker
@@ -683,6 +684,59 @@ async def test_an_outcome_of_an_attempt_moved_on_while_it_ran_is_refused(
         await eventually(dropped, timeout_s=5, interval_s=0.1)
         await asyncio.sleep(0.5)  # an outcome stored would have come back by now
         assert [kind_of(e) for e in events.of("t-3")] == ["started", "routed"]
+
+
+async def test_a_worker_back_from_a_cut_stores_nothing_of_its_moved_attempt_whatever_it_reads(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose node was cut off finishes its attempt, and meanwhile the reaper moved the
+    task. Back, its fenced outcome (and a late ``started``) is refused; the copy of the log
+    its own node gives may not have the move yet. The refusal says which ``routed`` is the
+    last now, so nothing is stored, whatever a read of the log would say. A ``routed`` that
+    is gone (the log cut) still lets the held outcome be stored."""
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+    now = time.time()
+    first = await publish_event(
+        js, TaskRouted(at=now, task_id="t-cut", attempt=1, worker="cpu-a", queue="q")
+    )
+    await publish_event(
+        js, TaskRouted(at=now, task_id="t-cut", attempt=2, worker="cpu-b", queue="q")
+    )
+
+    async def lagging_copy(js: JetStreamContext, task: TaskMessage) -> bool:
+        return False  # a copy of the log that has not heard of the move
+
+    monkeypatch.setattr(outcomes, "superseded", lagging_copy)
+    task = TaskMessage(
+        task_id="t-cut",
+        attempt=1,
+        model=MODEL,
+        timeout_s=60,
+        submitted_at=now,
+        work=Work(prompt="1+1"),
+        routed_seq=int(first.seq),
+    )
+    started = TaskStarted(at=now, task_id="t-cut", attempt=1, worker="cpu-a", host="h")
+    done = TaskCompleted(
+        at=now,
+        task_id="t-cut",
+        attempt=1,
+        worker="cpu-a",
+        model=MODEL,
+        response="2",
+        durations=Durations(total_ms=1.0),
+    )
+    async with TaskEvents(nc) as events:
+        assert not await outcomes.claim(nc, js, started, task)
+        assert not await outcomes.store_attempt_outcome(nc, js, task, done, "cpu-a", retry_s=1)
+        await asyncio.sleep(0.3)  # anything stored would have come back by now
+        assert events.of("t-cut") == []
+
+        gone = msgspec.structs.replace(task, task_id="t-gone", routed_seq=int(first.seq))
+        kept = msgspec.structs.replace(done, task_id="t-gone")
+        assert await outcomes.store_attempt_outcome(nc, js, gone, kept, "cpu-a", retry_s=1)
+        await events.first("completed", "t-gone")
 
 
 async def test_a_move_that_races_the_tasks_completion_queues_nothing(
