@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import structlog
 from nats.js import JetStreamContext
+from nats.js.api import ClusterInfo, PeerInfo
 
 from schemas.subjects import WORKERS_BUCKET
 from schemas.workers import WorkerRecord
@@ -37,20 +38,38 @@ log = structlog.get_logger("stall")
 # How often a view's quiet is looked at, and how long the bucket gets to answer.
 LOOK_S: Final = 0.25
 PROBE_TIMEOUT_S: Final = 0.5
+# A replicated stream's leader that has heard from none of its replicas for this long is cut
+# off from them: it still answers, but stores nothing the others will keep (its followers,
+# healthy, are heard every second; this leaves room for a busy machine).
+ISOLATED_AFTER_S: Final = 2.0
 # How long a worker connected to a node that was cut off takes to notice and move to another
 # (its pings unanswered): a registry stalled by that cut hears from it this much later.
 FAILOVER_S: Final = PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1)
 
 
+def leader_cut_off(replicas: Sequence[PeerInfo]) -> bool:
+    """Has a replicated stream's leader heard from none of its ``replicas`` for
+    `ISOLATED_AFTER_S` (each one offline, or silent that long)? A leader on a node cut off
+    from the cluster answers for a few seconds more before it steps down."""
+    return bool(replicas) and all(
+        r.offline or (r.active or 0) / 1e9 > ISOLATED_AFTER_S for r in replicas
+    )
+
+
+def _led(cluster: ClusterInfo) -> bool:
+    """Has a replicated stream a leader that hears its replicas?"""
+    return bool(cluster.leader) and not leader_cut_off(cluster.replicas or [])
+
+
 async def bucket_revision(js: JetStreamContext, bucket: str = WORKERS_BUCKET) -> int | None:
-    """The bucket's newest revision, or None when its stream does not answer (or has no
-    leader, replicated)."""
+    """The bucket's newest revision, or None when its stream does not answer (replicated:
+    has no leader, or a leader cut off from every replica)."""
     try:
         info = await asyncio.wait_for(js.stream_info(f"KV_{bucket}"), PROBE_TIMEOUT_S)
     except Exception:
         return None
     cluster = info.cluster
-    if cluster is not None and cluster.name and not cluster.leader:
+    if cluster is not None and cluster.name and not _led(cluster):
         return None
     return int(info.state.last_seq)
 

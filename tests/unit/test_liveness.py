@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from nats.js.api import PeerInfo
+
 from schemas.workers import WorkerRecord
 from services.fleet.liveness import in_touch, is_fresh, is_live, live, stale_in
+from services.runtime.stall import leader_cut_off
 
 
 def record(worker_id: str, heartbeat_at: float, **fields: Any) -> WorkerRecord:
@@ -51,3 +54,13 @@ def test_a_worker_stays_in_touch_until_one_interval_before_its_entry_goes_stale(
     # Always before anyone else may say it is not fresh.
     for now in (101.0, 101.5, 101.99):
         assert is_fresh(100.0, now + 1.0, 3.0) == in_touch(100.0, now, 3.0, 1.0)
+
+
+def test_a_stream_leader_that_hears_none_of_its_replicas_is_cut_off() -> None:
+    heard = PeerInfo(name="n2", current=True, active=int(0.5e9))
+    silent = PeerInfo(name="n3", current=True, active=int(2.5e9))
+    gone = PeerInfo(name="n3", current=False, offline=True)
+    assert not leader_cut_off([heard, silent])  # one still hears it: a quorum
+    assert not leader_cut_off([heard, gone])
+    assert leader_cut_off([silent, gone])  # cut off from both: it stores nothing that stays
+    assert not leader_cut_off([])  # a stream of one copy has no replicas to hear
