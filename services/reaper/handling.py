@@ -195,7 +195,7 @@ class FindingHandler:
         after = task.attempt + 1 if task.status == "retry" else task.attempt
 
         def accepted(sourced: Sourced) -> bool:
-            event, source = sourced
+            event, source, _ = sourced
             assert isinstance(event, TaskCompleted | TaskFailed)
             return refusal(event, source, routing(task), self.view.supports) is None
 

@@ -43,7 +43,7 @@ async def wait_for_end(
     # latest attempt's outcome, if the task was moved on).
     ends = [
         event
-        for event, source in await stored_ends(js, task_id)
+        for event, source, _ in await stored_ends(js, task_id)
         if isinstance(event, TaskCompleted | TaskFailed) and waiter.refusal(event, source) is None
     ]
     outcome = latest_outcome(ends)

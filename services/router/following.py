@@ -149,7 +149,7 @@ class Follower:
         stored_now = await stored_ends(self.js, task_id, leader=leader)
         ends = [
             event
-            for event, source in stored_now
+            for event, source, _ in stored_now
             if isinstance(event, TaskCompleted | TaskFailed)
             and event.attempt >= waiter.attempt
             and waiter.refusal(event, source) is None
@@ -166,7 +166,7 @@ class Follower:
         queued). The same rule as a waiter's for an attempt it saw routed
         (`services.router.waiting.Waiter.stored`); a retryable failure is what the move was
         for, not an end."""
-        for event, source in ends:
+        for event, source, _ in ends:
             if not isinstance(event, TaskCompleted | TaskFailed) or event.attempt >= waiter.attempt:
                 continue
             if isinstance(event, TaskFailed) and event.retryable:

@@ -136,7 +136,7 @@ class Waiter:
         earlier attempt's end (a completion, or a failure not to be moved on), recorded by
         where that attempt was routed, ends the task. Returns the refusals."""
         refused: list[str] = []
-        for event, source in ends:
+        for event, source, _ in ends:
             if self.future.done():
                 break
             if not isinstance(event, TaskCompleted | TaskFailed):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from types import TracebackType
-from typing import Self
+from typing import NamedTuple, Self
 
 import nats.errors
 import structlog
@@ -31,7 +31,13 @@ from schemas.events import (
     TaskStarted,
     task_event_decoder,
 )
-from schemas.subjects import EVENTS_STREAM, task_event, task_event_source, workers_task_event
+from schemas.subjects import (
+    EVENTS_STREAM,
+    task_event,
+    task_event_source,
+    task_events,
+    workers_task_event,
+)
 from schemas.tasks import TaskMessage
 from services.runtime.bus import (
     fences_by_subject,
@@ -88,11 +94,17 @@ async def store_outcome(
             delay = min(delay * 2, OUTCOME_RETRY_MAX_DELAY_S)
 
 
-async def last_stored(
-    js: JetStreamContext, subject: str, *, leader: bool = False
-) -> tuple[str, bytes] | None:
-    """The last message on ``subject`` (wildcards allowed) in ``EVENTS``, as (its subject, its
-    data); None when there is none.
+class Stored(NamedTuple):
+    """A message of ``EVENTS`` as a read found it."""
+
+    subject: str
+    data: bytes
+    seq: int
+
+
+async def last_stored(js: JetStreamContext, subject: str, *, leader: bool = False) -> Stored | None:
+    """The last message on ``subject`` (wildcards allowed) in ``EVENTS``; None when there is
+    none.
 
     A direct get names the subject in the API subject
     (``$JS.API.DIRECT.GET.EVENTS.<subject>``), so a worker's NATS user may read its tasks'
@@ -111,17 +123,22 @@ async def last_stored(
                 stored = await js.get_last_msg(EVENTS_STREAM, subject)
     except NotFoundError:
         return None
-    return stored.subject or subject, stored.data or b""
+    return Stored(stored.subject or subject, stored.data or b"", stored.seq or 0)
 
 
 async def last_on(js: JetStreamContext, subject: str, *, leader: bool = False) -> bytes | None:
     """The data of the last message on ``subject`` in ``EVENTS`` (`last_stored`)."""
     stored = await last_stored(js, subject, leader=leader)
-    return None if stored is None else stored[1]
+    return None if stored is None else stored.data
 
 
-# A task event as stored, with the worker its subject names (None: the router's or reaper's).
-Sourced = tuple[TaskEvent, str | None]
+class Sourced(NamedTuple):
+    """A task event as stored: the worker its subject names (None: the router's or the
+    reaper's), and its sequence in ``EVENTS`` (0 when the read did not say)."""
+
+    event: TaskEvent
+    source: str | None
+    seq: int = 0
 
 
 async def last_task_events(
@@ -142,7 +159,13 @@ async def last_task_events(
     for subject in subjects:
         stored = await last_stored(js, subject, leader=leader)
         if stored is not None:
-            found.append((task_event_decoder.decode(stored[1]), task_event_source(stored[0])))
+            found.append(
+                Sourced(
+                    task_event_decoder.decode(stored.data),
+                    task_event_source(stored.subject),
+                    stored.seq,
+                )
+            )
     return found
 
 
@@ -293,7 +316,20 @@ async def store_attempt_outcome(
     return True
 
 
-async def claim(nc: Client, js: JetStreamContext, started: TaskStarted, task: TaskMessage) -> bool:
+class NotAlone(Exception):
+    """A claim made alone (`claim`) found something of the task stored after what its worker
+    judged: a start, an outcome or a move its read of the log had not shown. The message goes
+    back to the queue, and its redelivery judges the task again."""
+
+
+async def claim(
+    nc: Client,
+    js: JetStreamContext,
+    started: TaskStarted,
+    task: TaskMessage,
+    *,
+    alone_after: int | None = None,
+) -> bool:
     """Store this attempt's ``started``, unless the task was moved on: False then (attempt
     fencing), and nothing is stored.
 
@@ -304,10 +340,19 @@ async def claim(nc: Client, js: JetStreamContext, started: TaskStarted, task: Ta
     is the task's last one. Otherwise the task's last ``routed`` is looked up first. A
     publish that fails is tried once more (a second copy after a lost acknowledgement is
     what a redelivery gives anyway).
+
+    ``alone_after``, for a kind that never runs a task twice: the sequence of the newest
+    event of the task its worker read and judged (the attempt's ``routed`` at least). The
+    fence is then every event of the task: stored only while nothing of it was stored after
+    that, so a start or an outcome that a lagging copy of the log hid from the worker's read
+    is never run past. Refused so, it returns False when the task was moved on, and raises
+    `NotAlone` otherwise.
     """
     fence = attempt_fence(nc, task)
     if fence is None and await moved_on(js, task):
         return False
+    if fence is not None and alone_after is not None:
+        fence = (task_events(task.task_id), max(fence[1], alone_after))
     failures = 0
     while True:
         try:
@@ -315,6 +360,12 @@ async def claim(nc: Client, js: JetStreamContext, started: TaskStarted, task: Ta
             return True
         except Exception as exc:
             if fence is not None and is_wrong_last_sequence(exc):
+                if alone_after is not None and _newer_said(fence, exc):
+                    if await moved_on(js, task):
+                        return False
+                    raise NotAlone(
+                        f"something of task {task.task_id} was stored after it was judged"
+                    ) from exc
                 if await fenced_out(js, task, fence, exc):
                     return False
                 fence = None  # its ``routed`` is gone (the log was cut): run what is held
@@ -325,15 +376,21 @@ async def claim(nc: Client, js: JetStreamContext, started: TaskStarted, task: Ta
             log.warning("storing the started event failed; trying again", error=repr(exc))
 
 
+def _newer_said(fence: tuple[str, int], refusal: BaseException) -> bool:
+    """Does a refused fence's refusal name a later sequence than the fence's (or none)?"""
+    said = last_sequence_said(refusal)
+    return said is None or said > fence[1]
+
+
 async def last_started(js: JetStreamContext, task_id: str, attempt: int) -> Sourced | None:
     """The latest ``started`` of this attempt, with the worker whose subject it is on: who
     began it, on which host, when."""
     stored = await last_stored(js, workers_task_event(task_id, "started"))
     if stored is None:
         return None
-    event = task_event_decoder.decode(stored[1])
+    event = task_event_decoder.decode(stored.data)
     if isinstance(event, TaskStarted) and event.attempt == attempt:
-        return event, task_event_source(stored[0])
+        return Sourced(event, task_event_source(stored.subject), stored.seq)
     return None
 
 

@@ -2,16 +2,18 @@
 
 A stored outcome means the task ended (a crash between storing and acknowledging): the
 message is acknowledged. A kind that runs tasks twice then runs it (the claim recognises a
-stale copy). A kind that never does (web search, lesson 8) asks who began it
+stale copy). A kind that never does (web search) asks who began it
 (`services.fleet.takeover`): nobody, run it; a live starter, look again later; a lost one,
-fail the task naming it.
+fail the task naming it. Any copy of the log may answer those reads, one that lags behind a
+cut included, so what they showed is handed to the claim (`ToRun`), which is stored only
+while nothing newer of the task is (`services.runtime.outcomes.claim`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from typing import assert_never
+from typing import NamedTuple, assert_never
 
 import msgspec
 from nats.aio.client import Client
@@ -38,6 +40,13 @@ from services.runtime.outcomes import (
 )
 
 
+class ToRun(NamedTuple):
+    """The message is to be run: its claim may follow. ``judged_up_to``: the sequence of the
+    newest event of the task that the reads judged (0: none, a first delivery)."""
+
+    judged_up_to: int = 0
+
+
 async def settled(
     nc: Client,
     js: JetStreamContext,
@@ -50,22 +59,22 @@ async def settled(
     runs_twice: bool,
     worker_ttl_s: float,
     fence: tuple[str, int] | None = None,
-) -> bool:
-    """True when the message is dealt with (acknowledged, returned, failed): nothing to run.
+) -> ToRun | None:
+    """None when the message is dealt with (acknowledged, returned, failed): nothing to run.
     ``fence``: the attempt's (`services.runtime.outcomes.attempt_fence`), for a failure this
     stores.
 
     Only events their recorder may give count (`services.fleet.binding`): the attempt was
     routed where the message's queue says."""
     if msg.metadata.num_delivered == 1:
-        return False
+        return ToRun()
     try:
         ends = await stored_ends(js, task.task_id)
-        supports = await _supports(registry, {source for _, source in ends if source})
+        supports = await _supports(registry, {end.source for end in ends if end.source})
         routed_to = routed_to_of_queue(msg.subject)
 
         def accepted(sourced: Sourced) -> bool:
-            event, source = sourced
+            event, source, _ = sourced
             assert isinstance(event, TaskCompleted | TaskFailed)
             if event.attempt != task.attempt:
                 return True  # a later attempt's: this copy is stale either way
@@ -74,9 +83,9 @@ async def settled(
         if outcome_among(ends, task.attempt, accepted) is not None:
             bound.info("redelivered task had already ended; acknowledging")
             await settle(nc, msg, ACK)
-            return True
+            return None
         if runs_twice:
-            return False
+            return ToRun()
         return await _taken_over(
             nc,
             js,
@@ -88,11 +97,12 @@ async def settled(
             routed_to=routed_to,
             worker_ttl_s=worker_ttl_s,
             fence=fence,
+            judged_up_to=max((end.seq for end in ends), default=0),
         )
     except Exception as exc:  # the bus is reconnecting: look again on the redelivery
         bound.warning("redelivered task not settled; returned to the queue", error=repr(exc))
         await settle(nc, msg, NAK, delay_s=1)
-        return True
+        return None
 
 
 async def _taken_over(
@@ -107,11 +117,13 @@ async def _taken_over(
     routed_to: str,
     worker_ttl_s: float,
     fence: tuple[str, int] | None,
-) -> bool:
+    judged_up_to: int,
+) -> ToRun | None:
     found = await last_started(js, task.task_id, task.attempt)
     started, starter = None, None
     if found is not None:
-        event, source = found
+        event, source, seq = found
+        judged_up_to = max(judged_up_to, seq)
         assert isinstance(event, TaskStarted)
         record = await _registry_entry(registry, source) if source is not None else None
         supports: dict[str, Collection[str]] = {}
@@ -124,11 +136,11 @@ async def _taken_over(
     decision = on_redelivery(started, starter, now=time.time(), ttl_s=worker_ttl_s)
     match decision:
         case Run():
-            return False
+            return ToRun(judged_up_to)
         case Wait(delay_s=delay_s):
             bound.info("redelivered task is still running elsewhere", recheck_s=delay_s)
             await settle(nc, msg, NAK, delay_s=delay_s)
-            return True
+            return None
         case Lost(reason=reason):
             assert started is not None
             try:
@@ -151,10 +163,10 @@ async def _taken_over(
                     raise
                 bound.warning("redelivered task was moved on; dropped")
                 await settle(nc, msg, TERM)
-                return True
+                return None
             await settle(nc, msg, ACK)
             bound.warning("task lost by its worker; failed", lost_by=started.worker)
-            return True
+            return None
         case _:
             assert_never(decision)
 

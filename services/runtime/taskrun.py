@@ -36,6 +36,7 @@ from services.runtime.attempts import (
 )
 from services.runtime.outcomes import (
     KeepAlive,
+    NotAlone,
     attempt_fence,
     claim,
     moved_on,
@@ -122,7 +123,7 @@ class TaskRunner:
             stream_seq=msg.metadata.sequence.stream,
         )
         assert self.registry is not None
-        if await settled(
+        to_run = await settled(
             self.nc,
             self.js,
             task,
@@ -133,7 +134,8 @@ class TaskRunner:
             runs_twice=self.settings.runs_twice,
             worker_ttl_s=self.settings.worker_ttl_s,
             fence=attempt_fence(self.nc, task),
-        ):
+        )
+        if to_run is None:
             return False
         self.current_task = task.task_id
         self.current_attempt = task.attempt
@@ -153,7 +155,10 @@ class TaskRunner:
                 # trip, and a stale copy's work is stopped when its claim is refused. A kind
                 # that never runs a task twice waits for the claim: a stale copy does nothing;
                 # so does every kind right after the worker was out of touch with the bus.
-                claimed = asyncio.ensure_future(claim(self.nc, self.js, self._started(task), task))
+                alone_after = None if self.settings.runs_twice else to_run.judged_up_to
+                claimed = asyncio.ensure_future(
+                    claim(self.nc, self.js, self._started(task), task, alone_after=alone_after)
+                )
                 claimed.add_done_callback(self._stop_if_refused)
                 if not self.settings.runs_twice or self.claim_first:
                     self.claim_first = False
@@ -177,6 +182,10 @@ class TaskRunner:
                 bound.warning("stale attempt: the task was moved on while it ran; outcome dropped")
                 await settle(self.nc, msg, TERM)
                 return False
+        except NotAlone as exc:
+            bound.warning("the task was begun or ended elsewhere; judged again", error=str(exc))
+            await settle(self.nc, msg, NAK, delay_s=1)
+            return False
         except Exception as exc:
             # The outcome could not be stored: return the task so it is not lost.
             bound.error("task not finished; returned to the queue", error=repr(exc))

@@ -268,7 +268,7 @@ async def test_a_task_a_lagging_copy_of_the_log_misses_is_followed_not_refused(
 
     async def lagging(
         js: JetStreamContext, subject: str, *, leader: bool = False
-    ) -> tuple[str, bytes] | None:
+    ) -> outcomes.Stored | None:
         return await read(js, subject, leader=True) if leader else None
 
     monkeypatch.setattr(outcomes, "last_stored", lagging)

@@ -338,8 +338,8 @@ async def test_a_worker_reads_what_its_redelivered_task_ended_with_under_its_own
     nc = await connect_as(secured, f"worker-{WORKER}", errors)
     try:
         js = nc.jetstream(timeout=2.0)
-        [(completed, source)] = await stored_ends(js, "t1")
-        [(by_router, router_source)] = await stored_ends(js, "t2")
+        [(completed, source, _)] = await stored_ends(js, "t1")
+        [(by_router, router_source, _)] = await stored_ends(js, "t2")
         assert await stored_ends(js, "t3") == []
     finally:
         await nc.close()

@@ -81,7 +81,7 @@ async def test_last_started_is_of_the_attempt_asked_about(nc: Client) -> None:
     await publish_event(js, TaskStarted(at=1.0, task_id="t1", attempt=1, worker="a", host="h"))
     found = await last_started(js, "t1", 1)
     assert found is not None
-    started, source = found
+    started, source, _ = found
     assert isinstance(started, TaskStarted) and (started.worker, started.host) == ("a", "h")
     assert source == "a"  # the worker its subject names
     assert await last_started(js, "t1", 2) is None

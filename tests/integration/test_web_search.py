@@ -16,6 +16,8 @@ from typing import Any
 import msgspec
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from structlog.testing import capture_logs
 
@@ -30,12 +32,16 @@ from schemas.events import (
     kind_of,
     task_event_decoder,
 )
-from schemas.subjects import TASKS_STREAM
+from schemas.subjects import TASKS_STREAM, WEB
 from schemas.tasks import TaskMessage
 from schemas.work import Work
+from schemas.workers import Capability, WorkerRecord
 from services import __version__
 from services.errors import DuplicateWorker
-from services.runtime.bus import publish_event
+from services.runtime import outcomes, redelivery
+from services.runtime.bus import ensure_streams, publish_event
+from services.runtime.consumers import WEB_POOL, ensure_consumer
+from services.runtime.outcomes import Sourced
 from services.runtime.settings import WebSearchSettings
 from services.web_search.service import run as run_web_search
 from tests.harness import (
@@ -540,6 +546,97 @@ async def test_a_web_worker_drops_a_copy_of_an_attempt_that_was_moved_on(web: St
         return await web.tasks_queued() == 0
 
     await eventually(settled, timeout_s=5)
+
+
+async def _begun_by(web: Stack, task_id: str, starter: str, supports: list[Capability]) -> Msg:
+    """A web task that ``starter`` (registered as live, busy with it, supporting
+    ``supports``) took from the queue and stored its start of: returns its message, unsettled."""
+    js = web.nc.jetstream()
+    registry = await ensure_streams(js, worker_ttl_s=FAST["worker_ttl_s"])
+    await ensure_consumer(js, WEB_POOL, FAST["ack_wait_s"])
+    now = time.time()
+    routed = await publish_event(
+        js, TaskRouted(at=now, task_id=task_id, attempt=1, worker=WEB.name, queue=WEB.queue)
+    )
+    message = TaskMessage(
+        task_id=task_id,
+        attempt=1,
+        model="default",
+        timeout_s=30,
+        submitted_at=now,
+        routed_seq=routed.seq,
+        work=Work(prompt=QUESTION, task_type="web_search"),
+    )
+    await js.publish(WEB.queue, msgspec.json.encode(message))
+    pulled = await js.pull_subscribe_bind(durable=WEB.consumer, stream=TASKS_STREAM)
+    [taken] = await pulled.fetch(1, timeout=5)
+    started = TaskStarted(at=now, task_id=task_id, attempt=1, worker=starter, host="box-2")
+    await publish_event(js, started, by=starter)
+    record = WorkerRecord(
+        worker_id=starter,
+        host="box-2",
+        instance_id="i-2",
+        pid=1,
+        version=__version__,
+        supports=supports,
+        models=[],
+        started_at=now,
+        heartbeat_at=now,
+        state="busy",
+        current_task=task_id,
+    )
+    await registry.put(starter, msgspec.json.encode(record))
+    return taken
+
+
+async def test_a_web_task_whose_start_a_lagging_read_missed_is_not_run_again(
+    web: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """web-2 took a web task, stored its start and is alive with it; the task's message is
+    redelivered to web-1, whose read of the log comes from a copy that has not heard of that
+    start (any copy of the log answers such a read). web-1's claim is stored only while
+    nothing of the task is newer than what it judged, so it is refused: the message goes
+    back, is judged again on a read that has caught up, waits for web-2, and when web-2 goes
+    silent fails naming it. SearXNG is never asked."""
+    taken = await _begun_by(web, "t-lag", "web-2", ["web_search"])
+    read = outcomes.last_started
+    reads: list[bool] = []
+
+    async def lagging_once(js: JetStreamContext, task_id: str, attempt: int) -> Sourced | None:
+        reads.append(True)
+        return None if len(reads) == 1 else await read(js, task_id, attempt)
+
+    monkeypatch.setattr(redelivery, "last_started", lagging_once)
+    async with TaskEvents(web.nc) as events:
+        await taken.nak()  # web-2's copy, back in the queue: redelivered to web-1
+        web.web_worker("web-1")
+        outcome = await events.first("failed", "t-lag")
+
+    assert isinstance(outcome, TaskFailed)
+    assert (outcome.code, outcome.worker) == ("worker_lost", "web-2"), outcome
+    assert len(reads) >= 2  # judged again after the refused claim
+    assert [e.worker for e in events.of("t-lag") if isinstance(e, TaskStarted)] == []
+    assert web.searxng.stats()["search_calls"] == 0
+    await web.all_acknowledged()
+
+
+async def test_a_start_forged_by_a_worker_outside_the_pool_does_not_hold_a_web_task_back(
+    web: Stack,
+) -> None:
+    """A CPU worker stored a start of a web task on its own subject (it may publish there, but
+    may not record a web task). The redelivered task's judge ignores that start, and the
+    claim is fenced after what was judged, so the forged start does not refuse it: web-1 runs
+    the task once."""
+    taken = await _begun_by(web, "t-forged", "cpu-x", ["cpu_inference"])
+    async with TaskEvents(web.nc) as events:
+        await taken.nak()
+        web.web_worker("web-1")
+        outcome = await events.first("completed", "t-forged")
+
+    assert isinstance(outcome, TaskCompleted) and outcome.worker == "web-1"
+    assert [e.worker for e in events.of("t-forged") if isinstance(e, TaskStarted)] == ["web-1"]
+    assert web.searxng.stats()["search_calls"] == 1
+    await web.all_acknowledged()
 
 
 # -- the command line --------------------------------------------------------------------------

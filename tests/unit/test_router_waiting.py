@@ -7,6 +7,7 @@ from typing import Any
 
 from schemas.events import Durations, TaskCompleted, TaskFailed
 from services.router.waiting import Waiter
+from services.runtime.outcomes import Sourced
 
 
 async def yes() -> bool:
@@ -139,7 +140,7 @@ async def test_the_routers_and_reapers_failures_are_taken_as_they_are() -> None:
 
 async def test_an_end_read_from_the_stream_answers_as_if_it_had_arrived() -> None:
     waiter = waiter_for("w")
-    assert await waiter.stored([(completed(1, "two"), "w")]) == []
+    assert await waiter.stored([Sourced(completed(1, "two"), "w")]) == []
     assert waiter.future.result().response == "two"  # type: ignore[union-attr]
 
 
@@ -148,7 +149,7 @@ async def test_an_earlier_attempts_end_stored_before_the_move_answers() -> None:
     # server refuses it after the move): the task ended, attempt 2 is never queued.
     waiter = waiter_for("w")
     await waiter.routed(2, "x")
-    await waiter.stored([(completed(1, "two"), "w")])
+    await waiter.stored([Sourced(completed(1, "two"), "w")])
     assert waiter.future.result().response == "two"  # type: ignore[union-attr]
 
 
@@ -159,14 +160,14 @@ async def test_an_earlier_attempt_read_from_the_stream_counts_only_as_an_end_by_
     await waiter.routed(2, "x")
     # A retryable failure is what the move was for; another worker's completion is forged.
     refused = await waiter.stored(
-        [(failed(1, retryable=True), "w"), (completed(1, "forged", worker="g"), "g")]
+        [Sourced(failed(1, retryable=True), "w"), Sourced(completed(1, "forged", worker="g"), "g")]
     )
     assert len(refused) == 1 and "'g'" in refused[0]
     assert not waiter.future.done()
     # Never seen routed by this waiter: no routing to judge its recorder by.
     fresh = waiter_for("x")
     fresh.attempt = 2
-    await fresh.stored([(completed(1, "two"), "w")])
+    await fresh.stored([Sourced(completed(1, "two"), "w")])
     assert not fresh.future.done()
 
 
@@ -177,13 +178,13 @@ async def test_the_streams_routing_stands_over_one_heard_but_never_stored() -> N
     await waiter.routed(2, "x")
     assert await waiter.ended(completed(2, "two", worker="w"), "w") is not None  # refused
     waiter.stored_routing(2, "w")
-    assert await waiter.stored([(completed(2, "two", worker="w"), "w")]) == []
+    assert await waiter.stored([Sourced(completed(2, "two", worker="w"), "w")]) == []
     assert waiter.future.result().response == "two"  # type: ignore[union-attr]
     # Heard attempt 2, never stored: the stream's attempt 1 stands again.
     back = waiter_for("w")
     await back.routed(2, "x")
     back.stored_routing(1, "w")
-    await back.stored([(completed(1, "one"), "w")])
+    await back.stored([Sourced(completed(1, "one"), "w")])
     assert back.future.result().response == "one"  # type: ignore[union-attr]
 
 
@@ -192,5 +193,5 @@ async def test_a_retryable_failure_read_again_from_the_stream_still_answers_in_t
     await waiter.ended(failed(1, retryable=True), "w")
     for _ in range(4):  # read again from the stream more often than the wait for the move
         await asyncio.sleep(0.1)
-        await waiter.stored([(failed(1, retryable=True), "w")])
+        await waiter.stored([Sourced(failed(1, retryable=True), "w")])
     assert waiter.future.done()
