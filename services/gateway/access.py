@@ -22,19 +22,9 @@ from nats.js.kv import KeyValue
 
 from schemas.subjects import GATEWAY_KEYS_BUCKET
 from services.errors import Unavailable
-from services.gateway.common import ApiError, Shape
-from services.gateway.keys import (
-    INVALID_API_KEY,
-    KeyTable,
-    Refusal,
-    api_of,
-    is_public,
-    record_decoder,
-)
-from services.gateway.ollama_answers import OllamaShape
-from services.gateway.openai_answers import OpenAIShape
-from services.gateway.responses import refused
-from services.gateway.task_api import TaskShape
+from services.gateway.common import ApiError
+from services.gateway.keys import INVALID_API_KEY, KeyTable, Refusal, is_public, record_decoder
+from services.gateway.responses import refused, shape_of
 from services.runtime.bus import ensure_bucket
 from services.runtime.watch import follow_bucket, value_of
 
@@ -44,12 +34,6 @@ log = structlog.get_logger("gateway")
 CLIENT: Final = web.RequestKey("client", str)
 # How long the gateway waits, at start, for the bucket's current keys.
 READY_TIMEOUT_S: Final = 10.0
-
-_SHAPES: Final[dict[str, Shape]] = {
-    "ollama": OllamaShape(model="", chat=False),
-    "openai": OpenAIShape(model="", chat=True),
-    "task": TaskShape(),
-}
 
 
 class Access:
@@ -114,9 +98,11 @@ class Access:
         name (`CLIENT`) and bind it to the request's log lines."""
         if is_public(request.path):
             return await handler(request)
-        found = self.table.identify(request.headers.get("Authorization"))
+        found = self.table.identify(
+            request.headers.get("Authorization"), request.headers.get("x-api-key")
+        )
         if isinstance(found, Refusal):
-            shape = _SHAPES[api_of(request.path)]
+            shape = shape_of(request.path)
             error = ApiError(401, INVALID_API_KEY, found.message)
             response = refused(request, shape, error, retry_after_s=self.retry_after_s)
             response.headers["WWW-Authenticate"] = 'Bearer realm="coordinator"'

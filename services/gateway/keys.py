@@ -40,7 +40,7 @@ PUBLIC_PATHS: Final = frozenset({"/", "/api/version"})
 DASHBOARD_PAGE: Final = "/dashboard"
 DASHBOARD_FILES: Final = "/dashboard/static/"
 
-Api = Literal["ollama", "openai", "task"]
+Api = Literal["ollama", "openai", "anthropic", "task"]
 
 
 class KeyRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,6 +110,8 @@ def is_public(path: str) -> bool:
 def api_of(path: str) -> Api:
     """Which API a path belongs to, so a refusal comes in that API's error shape (the
     dashboard's data and ``/metrics`` use the project's own, as the task API does)."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
     if path == "/v1" or path.startswith("/v1/"):
         return "openai"
     if path in {"/route", "/task", DASHBOARD_PAGE, "/metrics"} or path.startswith(
@@ -186,9 +188,12 @@ class KeyTable:
         """Does a request need a key now?"""
         return self.always or bool(self._by_name)
 
-    def identify(self, authorization: str | None) -> KeyRecord | Refusal | None:
-        """The key an ``Authorization`` header carries; None when no key is required (then
-        the header is not looked at); a `Refusal` when one is and it is missing or unknown."""
+    def identify(
+        self, authorization: str | None, api_key: str | None = None
+    ) -> KeyRecord | Refusal | None:
+        """The key an ``Authorization`` header carries, else an ``x-api-key`` header (how
+        Anthropic's clients send theirs); None when no key is required (then the headers are
+        not looked at); a `Refusal` when one is and it is missing or unknown."""
         if not self.required:
             return None
         if not self._by_name:
@@ -197,10 +202,12 @@ class KeyTable:
                 "with `coordinator keys add NAME`"
             )
         token = bearer_token(authorization)
+        if token is None and authorization is None and api_key:
+            token = api_key.strip() or None
         if token is None:
             return Refusal(
-                "missing API key: send it as `Authorization: Bearer <key>` "
-                "(OLLAMA_API_KEY or the OpenAI client's api_key)"
+                "missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`"
+                " (OLLAMA_API_KEY, or the OpenAI or Anthropic client's api_key)"
             )
         record = self._by_hash.get(key_hash(token))
         if record is None:

@@ -13,6 +13,7 @@ from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
 from services.errors import BadRequest, NotFound, TooLarge, Unsupported
+from services.gateway.anthropic_answers import AnthropicShape
 from services.gateway.common import ApiError, Shape, shown, too_large
 from services.gateway.keys import api_of
 from services.gateway.ollama_answers import OllamaShape
@@ -131,6 +132,8 @@ def refused(
 def shape_of(path: str) -> Shape:
     """The error shape of the API a path belongs to (`services.gateway.keys.api_of`)."""
     api = api_of(path)
+    if api == "anthropic":
+        return AnthropicShape(model="")
     if api == "openai":
         return OpenAIShape(model="", chat=True)
     if api == "task":

@@ -36,8 +36,9 @@ from schemas.queries import TaskQuery
 from schemas.subjects import ROUTE, TASK
 from services import __version__
 from services.errors import ConfigError, WaitTimeout
-from services.gateway import fleet, ollama_api, openai_api
+from services.gateway import anthropic_api, fleet, ollama_api, openai_api
 from services.gateway.access import Access, client_of
+from services.gateway.anthropic_answers import AnthropicShape
 from services.gateway.bus import QUERY_TIMEOUT_S, FleetBus
 from services.gateway.common import OLLAMA_API_VERSION, ApiError, Ask, Instant, Shape, model_named
 from services.gateway.connections import GuardedSite, HeaderDeadline
@@ -111,6 +112,8 @@ class Gateway:
         routes.add_post("/v1/chat/completions", self.v1_chat)
         routes.add_post("/v1/completions", self.v1_completions)
         routes.add_post("/v1/embeddings", self.v1_embeddings)
+        routes.add_post("/v1/messages", self.v1_messages)
+        routes.add_post("/v1/messages/count_tokens", self.v1_count_tokens)
         routes.add_post("/route", self.route)
         routes.add_get("/task/{task_id}", self.task)
         self.dashboard.add_routes(routes)
@@ -232,6 +235,22 @@ class Gateway:
             openai_api.openai_embeddings,
             lambda model, ask: OpenAIEmbedShape(model, base64=bool(ask and ask.base64_vectors)),
         )
+
+    async def v1_messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._ask(
+            request, anthropic_api.anthropic_messages, lambda model, ask: AnthropicShape(model)
+        )
+
+    async def v1_count_tokens(self, request: web.Request) -> web.Response:
+        """``POST /v1/messages/count_tokens``: an estimate, without a task
+        (`services.gateway.anthropic_api.anthropic_count_tokens`)."""
+        body = b""
+        try:
+            body = await self._read(request)
+            counted = anthropic_api.anthropic_count_tokens(body)
+        except ApiError as exc:
+            return self._refused(request, AnthropicShape(model=""), exc, model_named(body))
+        return web.json_response(counted)
 
     async def _ask(
         self, request: web.Request, parse: Parser, make_shape: MakeShape
