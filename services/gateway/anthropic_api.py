@@ -3,7 +3,8 @@ bodies to route requests, mapped the way Ollama's own Anthropic layer maps them
 (``anthropic/anthropic.go`` in Ollama's source), so that Claude Code and the ``anthropic``
 SDK run on the fleet's models.
 
-- ``system`` (a text, or text blocks joined) is the first message, ``role: "system"``.
+- ``system`` (a text, or text blocks joined) is the first message, ``role: "system"``; a
+  message of role ``system`` (which newer clients send among the turns) is one too.
 - Content blocks: ``text``; ``image`` with a ``base64`` source (a JPEG, PNG, GIF or WebP),
   which becomes the message's ``images`` (a ``url`` source is refused: the gateway fetches
   nothing); an assistant's ``tool_use`` is a tool call (its ``id``, ``name`` and ``input``);
@@ -164,9 +165,11 @@ def _turn(m: _Message, names: dict[str, str]) -> list[ChatMessage]:
     """One Anthropic message as chat turns: a user's tool results first (one ``tool`` turn
     each), then what it says. ``names``: the tool calls seen so far, by id."""
     role = m.role.lower()
-    if role not in ("user", "assistant"):
+    if role not in ("user", "assistant", "system"):
         raise ApiError(
-            400, "bad_request", f"invalid message role {shown(m.role)}: 'user' or 'assistant'"
+            400,
+            "bad_request",
+            f"invalid message role {shown(m.role)}: 'user', 'assistant' or 'system'",
         )
     blocks = [_Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
     texts: list[str] = []

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import msgspec
@@ -33,6 +33,7 @@ from aiohttp import web
 from nats.aio.client import Client
 
 from schemas.queries import TaskQuery
+from schemas.route import RouteRequest
 from schemas.subjects import ROUTE, TASK
 from services import __version__
 from services.errors import ConfigError, WaitTimeout
@@ -238,8 +239,26 @@ class Gateway:
 
     async def v1_messages(self, request: web.Request) -> web.StreamResponse:
         return await self._ask(
-            request, anthropic_api.anthropic_messages, lambda model, ask: AnthropicShape(model)
+            request,
+            anthropic_api.anthropic_messages,
+            lambda model, ask: AnthropicShape(model),
+            adjust=self._thinking_if_it_can,
         )
+
+    async def _thinking_if_it_can(self, route: RouteRequest) -> RouteRequest:
+        """Anthropic's clients ask every model to think (Claude Code sends ``adaptive`` and an
+        effort): as Ollama's own Anthropic layer does, a model the fleet serves without
+        ``thinking`` is asked without it, rather than refused. A model the fleet does not
+        serve now goes to the router as asked, which says why."""
+        if not route.think:
+            return route
+        try:
+            served = await self._serving(route.model)
+        except ApiError:
+            return route
+        if "thinking" in served.capabilities:
+            return route
+        return msgspec.structs.replace(route, think=None)
 
     async def v1_count_tokens(self, request: web.Request) -> web.Response:
         """``POST /v1/messages/count_tokens``: an estimate, without a task
@@ -253,7 +272,12 @@ class Gateway:
         return web.json_response(counted)
 
     async def _ask(
-        self, request: web.Request, parse: Parser, make_shape: MakeShape
+        self,
+        request: web.Request,
+        parse: Parser,
+        make_shape: MakeShape,
+        *,
+        adjust: Callable[[RouteRequest], Awaitable[RouteRequest]] | None = None,
     ) -> web.StreamResponse:
         body = b""
         try:
@@ -261,9 +285,10 @@ class Gateway:
             ask = parse(body, timeout_s=self.settings.gateway_task_timeout_s)
             if not isinstance(ask, Ask):
                 return await self._instant(request, ask)
+            route = ask.route if adjust is None else await adjust(ask.route)
         except ApiError as exc:
             return self._refused(request, make_shape("", None), exc, model_named(body))
-        route = msgspec.structs.replace(ask.route, client=client_of(request))
+        route = msgspec.structs.replace(route, client=client_of(request))
         return await self.relay.serve(request, route, make_shape(route.model, ask))
 
     # -- the task API ----------------------------------------------------------------------------

@@ -1,13 +1,18 @@
 """Anthropic's Messages API through the gateway, driven by the official ``anthropic`` client:
 plain and streamed messages, a system prompt, tools and a tool-result turn, images, thinking,
-token counts, errors in Anthropic's shape and the gateway's keys as ``x-api-key``. A real
-nats-server, the router, a worker and the Ollama stand-in answering as Ollama does."""
+token counts, errors in Anthropic's shape and the gateway's keys as ``x-api-key``; and by
+Claude Code itself, run non-interactively. A real nats-server, the router, a worker and the
+Ollama stand-in answering as Ollama does."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
+import os
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -32,6 +37,8 @@ from tests.integration.test_gateway_api import (
 )
 from tests.integration.test_gateway_keys import add_key, fleet
 
+# Claude Code, as scripts/bootstrap --test-model installs it (devtools/agents, pinned by npm).
+CLAUDE = Path(__file__).parents[2] / "devtools" / "agents" / "node_modules" / ".bin" / "claude"
 WEATHER: Any = {
     "name": "get_weather",
     "description": "The weather in a city",
@@ -291,3 +298,51 @@ async def test_the_gateways_keys_are_taken_as_x_api_key_or_bearer(
     body = wrong.value.body
     assert isinstance(body, dict) and body["error"]["type"] == "authentication_error"
     assert "invalid API key" in body["error"]["message"]
+
+
+async def test_claude_code_runs_a_tool_on_the_fleets_model_and_answers_from_its_result(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """``claude -p`` with ``ANTHROPIC_BASE_URL`` at the gateway: Claude Code sends its system
+    prompt, its two dozen tools, adaptive thinking and an effort, streamed. The model (the
+    stand-in, which calls a tool its prompt names) calls Bash; Claude Code runs the command,
+    sends the result back as a tool_result, and the model's answer rests on it. The model has
+    no thinking: it is asked without, as Ollama's Anthropic layer asks it."""
+    assert CLAUDE.exists(), "Claude Code is missing: ./scripts/bootstrap --test-model installs it"
+    work = tmp_path / "project"
+    work.mkdir()
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "ANTHROPIC_BASE_URL": stack.url,
+        "ANTHROPIC_API_KEY": "unused",
+        "ANTHROPIC_MODEL": CHAT,
+        "ANTHROPIC_SMALL_FAST_MODEL": CHAT,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    agent = await asyncio.create_subprocess_exec(
+        str(CLAUDE),
+        "-p",
+        'use Bash to run "echo hello > out.txt"',
+        "--output-format",
+        "json",
+        "--allowedTools",
+        "Bash",
+        cwd=work,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(agent.communicate(), timeout=120)
+
+    result = json.loads(out)
+    assert agent.returncode == 0 and not result["is_error"], (out, err)
+    assert (work / "out.txt").read_text() == "hello\n"
+    assert result["result"].startswith("Based on the tool result: Bash returned")
+    sent = last(stack.ollama, "last_chat")
+    assert "think" not in sent
+    assert "Bash" in [tool["function"]["name"] for tool in sent["tools"]]
+    call, answer = sent["messages"][-2:]
+    assert call["tool_calls"][0]["function"]["arguments"]["command"] == "echo hello > out.txt"
+    assert (answer["role"], answer["tool_name"]) == ("tool", "Bash")

@@ -114,7 +114,7 @@ def test_what_the_fleet_cannot_honour_is_refused_by_name() -> None:
     hi = [{"role": "user", "content": "hi"}]
     cases = [
         (refused(messages=hi, max_tokens=None), "max_tokens"),
-        (refused(messages=[{"role": "system", "content": "x"}]), "'system'"),
+        (refused(messages=[{"role": "tool", "content": "x"}]), "'tool'"),
         (refused(messages=hi, tools=[{"type": "bash_20250124", "name": "bash"}]), "bash_20250124"),
         (refused(messages=hi, tools=[WEATHER], tool_choice={"type": "tool", "name": "x"}), "'x'"),
         (refused(messages=hi, mcp_servers=[{"url": "u"}]), "mcp_servers"),
