@@ -74,6 +74,9 @@ class Ask:
     """OpenAI's ``stream_options.include_usage``."""
     base64_vectors: bool = False
     """OpenAI's ``encoding_format: "base64"``: each vector as the base64 of its float32 bytes."""
+    echo: dict[str, Any] | None = None
+    """The request's own fields its answer repeats (OpenAI's Responses API: instructions,
+    tools, the text format…), as the client sent them."""
 
     @property
     def stream(self) -> bool:

@@ -159,7 +159,14 @@ def _sampling_options(req: _Sampling) -> dict[str, Any]:
 
 
 def _image(part: _Part) -> str:
-    url = part.image_url.url if isinstance(part.image_url, _ImageUrl) else part.image_url or ""
+    return image_of_url(
+        part.image_url.url if isinstance(part.image_url, _ImageUrl) else part.image_url or ""
+    )
+
+
+def image_of_url(url: str) -> str:
+    """The base64 image a ``data:`` URL holds, as Ollama's layer takes it; a remote URL is
+    refused (the gateway fetches nothing)."""
     if url.startswith(("http://", "https://")):
         raise ApiError(400, "unsupported", _REMOTE_IMAGE)
     data = next((url[len(p) :] for p in _DATA_PREFIXES if url[: len(p)].lower() == p), None)
@@ -240,7 +247,13 @@ _THINK: Final[dict[str, bool | str]] = {
 
 
 def _think(req: _Chat) -> bool | str | None:
-    effort = req.reasoning.effort if req.reasoning is not None else req.reasoning_effort
+    return think_of_effort(
+        req.reasoning.effort if req.reasoning is not None else req.reasoning_effort
+    )
+
+
+def think_of_effort(effort: str | None) -> bool | str | None:
+    """OpenAI's reasoning effort as Ollama's ``think`` (`_THINK`); None when not given."""
     if not effort:
         return None
     if effort not in _THINK:

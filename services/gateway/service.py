@@ -37,7 +37,13 @@ from schemas.route import RouteRequest
 from schemas.subjects import ROUTE, TASK
 from services import __version__
 from services.errors import ConfigError, WaitTimeout
-from services.gateway import anthropic_api, fleet, ollama_api, openai_api
+from services.gateway import (
+    anthropic_api,
+    fleet,
+    ollama_api,
+    openai_api,
+    openai_responses_api,
+)
 from services.gateway.access import Access, client_of
 from services.gateway.anthropic_answers import AnthropicShape
 from services.gateway.bus import QUERY_TIMEOUT_S, FleetBus
@@ -49,6 +55,7 @@ from services.gateway.fleet import Served
 from services.gateway.keys import always_keyed, is_loopback, open_refusal
 from services.gateway.ollama_answers import OllamaEmbedShape, OllamaShape, ollama_pull
 from services.gateway.openai_answers import OpenAIEmbedShape, OpenAIShape
+from services.gateway.openai_responses_answers import ResponsesShape
 from services.gateway.relay import Relay
 from services.gateway.responses import JSON, NDJSON, json_errors, read_body, refused
 from services.gateway.settings import GatewaySettings
@@ -113,6 +120,7 @@ class Gateway:
         routes.add_post("/v1/chat/completions", self.v1_chat)
         routes.add_post("/v1/completions", self.v1_completions)
         routes.add_post("/v1/embeddings", self.v1_embeddings)
+        routes.add_post("/v1/responses", self.v1_responses)
         routes.add_post("/v1/messages", self.v1_messages)
         routes.add_post("/v1/messages/count_tokens", self.v1_count_tokens)
         routes.add_post("/route", self.route)
@@ -235,6 +243,15 @@ class Gateway:
             request,
             openai_api.openai_embeddings,
             lambda model, ask: OpenAIEmbedShape(model, base64=bool(ask and ask.base64_vectors)),
+        )
+
+    async def v1_responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._ask(
+            request,
+            openai_responses_api.openai_responses,
+            lambda model, ask: ResponsesShape(
+                model, echo=(ask.echo if ask else None) or {}, created=int(time.time())
+            ),
         )
 
     async def v1_messages(self, request: web.Request) -> web.StreamResponse:
