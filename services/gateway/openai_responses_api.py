@@ -11,7 +11,8 @@ client's ``responses.create`` and the Codex CLI.
 - ``instructions`` is the first message, ``role: "system"``.
 - ``max_output_tokens`` is ``num_predict``; ``temperature`` and ``top_p`` keep their names.
 - ``tools`` of type ``function`` (``name``, ``description``, ``parameters``) are function
-  tools; ``tool_choice`` ``none`` sends none, ``required`` or a named function travels as the
+  tools, and a ``namespace``'s members are too, each named ``<namespace>.<name>``;
+  ``tool_choice`` ``none`` sends none, ``required`` or a named function travels as the
   option ``tool_choice``, as the chat API's does.
 - ``reasoning.effort`` is ``think``, as the chat API maps it; ``text.format`` ``json_schema``
   is the ``format`` schema, ``json_object`` ``"json"``.
@@ -64,6 +65,8 @@ class _Tool(msgspec.Struct):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[_Tool] | None = None
+    """A ``namespace``'s member tools."""
 
 
 class _Format(msgspec.Struct):
@@ -174,26 +177,33 @@ def _turns(items: list[_Item]) -> list[ChatMessage]:
     return turns
 
 
+def _functions(tool: _Tool, prefix: str = "") -> list[dict[str, Any]]:
+    """A tool declaration as function tools: a ``namespace`` is its members, each named
+    ``<namespace>.<name>``, as Ollama's layer expands it (a chat tool has a flat name)."""
+    if tool.type == "namespace" and tool.name:
+        inner = f"{prefix}{tool.name}."
+        return [function for member in tool.tools or () for function in _functions(member, inner)]
+    if tool.type != "function":
+        raise ApiError(
+            400,
+            "unsupported",
+            f"tools of type {shown(tool.type)} are not supported by the Coordinator gateway:"
+            " declare a function tool",
+        )
+    if not tool.name:
+        raise ApiError(400, "bad_request", "every function tool needs a 'name'")
+    function: dict[str, Any] = {
+        "name": f"{prefix}{tool.name}",
+        "parameters": tool.parameters or {"type": "object", "properties": {}},
+    }
+    if tool.description:
+        function["description"] = tool.description
+    return [{"type": "function", "function": function}]
+
+
 def _tools(req: _Responses) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
     """The function tools and the option that carries a forcing ``tool_choice``."""
-    tools = []
-    for tool in req.tools or ():
-        if tool.type != "function":
-            raise ApiError(
-                400,
-                "unsupported",
-                f"tools of type {shown(tool.type)} are not supported by the Coordinator gateway:"
-                " declare a function tool",
-            )
-        if not tool.name:
-            raise ApiError(400, "bad_request", "every function tool needs a 'name'")
-        function: dict[str, Any] = {
-            "name": tool.name,
-            "parameters": tool.parameters or {"type": "object", "properties": {}},
-        }
-        if tool.description:
-            function["description"] = tool.description
-        tools.append({"type": "function", "function": function})
+    tools = [function for tool in req.tools or () for function in _functions(tool)]
     choice = req.tool_choice
     if choice is None or choice == "auto":
         return tools or None, {}

@@ -1,13 +1,17 @@
 """OpenAI's Responses API through the gateway, stateless as Ollama serves it, driven by the
 official ``openai`` client's ``responses``: text and items, instructions, function tools and
 their outputs, reasoning, a JSON schema, images, streaming, and what needs stored state
-refused by name. A real nats-server, the router, a worker and the Ollama stand-in."""
+refused by name; and by the Codex CLI itself, run non-interactively. A real nats-server, the
+router, a worker and the Ollama stand-in."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -27,6 +31,8 @@ from tests.integration.test_gateway_api import (
     last,
 )
 
+# The Codex CLI, as scripts/bootstrap --test-model installs it (devtools/agents, pinned by npm).
+CODEX = Path(__file__).parents[2] / "devtools" / "agents" / "node_modules" / ".bin" / "codex"
 WEATHER: Any = {
     "type": "function",
     "name": "get_weather",
@@ -188,3 +194,58 @@ async def test_what_needs_stored_state_is_refused_by_name(ai: openai.AsyncOpenAI
     for error, name in zip(refusals, ("previous_response_id", "store", "web_search"), strict=True):
         assert error.code == "unsupported" and name in error.message
     assert unknown.value.code == "no_worker"
+
+
+async def test_the_codex_cli_runs_a_command_on_the_fleets_model(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """``codex exec`` with a provider whose base URL is the gateway's ``/v1`` (the Responses
+    wire API): Codex sends its instructions, its tools (a namespace among them), streamed. The
+    model (the stand-in, which calls a tool its prompt names) calls exec_command; Codex runs
+    it in its sandbox, sends the output back as a function_call_output, and the model's
+    answer rests on it. Codex's built-in web search is turned off: the gateway refuses it."""
+    assert CODEX.exists(), "the Codex CLI is missing: ./scripts/bootstrap --test-model installs it"
+    home = tmp_path / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f"""web_search = "disabled"
+model = "{CHAT}"
+model_provider = "fleet"
+
+[model_providers.fleet]
+name = "Coordinator"
+base_url = "{stack.url}/v1"
+wire_api = "responses"
+"""
+    )
+    work = tmp_path / "project"
+    work.mkdir()
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CODEX_HOME": str(home)}
+    agent = await asyncio.create_subprocess_exec(
+        str(CODEX),
+        "exec",
+        "--skip-git-repo-check",
+        "--sandbox",
+        "workspace-write",
+        "--json",
+        'use exec_command to run "echo hello > out.txt"',
+        cwd=work,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(agent.communicate(), timeout=120)
+
+    events = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert agent.returncode == 0, (out, err)
+    assert events[-1]["type"] == "turn.completed", events
+    ran = [e["item"] for e in events if e.get("item", {}).get("type") == "command_execution"]
+    assert ran and ran[-1]["exit_code"] == 0 and "echo hello > out.txt" in ran[-1]["command"]
+    assert (work / "out.txt").read_text() == "hello\n"
+    said = [e["item"]["text"] for e in events if e.get("item", {}).get("type") == "agent_message"]
+    assert said and said[-1].startswith("Based on the tool result: exec_command returned")
+    sent = last(stack.ollama, "last_chat")
+    assert "exec_command" in [tool["function"]["name"] for tool in sent["tools"]]
+    assert sent["messages"][-1]["role"] == "tool"
+    assert sent["messages"][-1]["tool_name"] == "exec_command"

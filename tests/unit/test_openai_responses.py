@@ -79,6 +79,16 @@ def test_store_false_is_what_the_gateway_does_anyway() -> None:
     assert ask(input="hi", store=False).route.prompt == "hi"
 
 
+def test_a_namespaces_members_are_function_tools_named_under_it() -> None:
+    member = {"type": "function", "name": "close", "parameters": {"type": "object"}}
+    route = ask(
+        input="hi",
+        tools=[{"type": "namespace", "name": "agents", "tools": [member]}, {**member, "name": "x"}],
+    ).route
+
+    assert [tool["function"]["name"] for tool in route.tools] == ["agents.close", "x"]
+
+
 def events(data: bytes) -> list[dict[str, Any]]:
     found = []
     for block in data.decode().split("\n\n"):
