@@ -4,7 +4,9 @@ bodies to route requests, mapped the way Ollama's own ``/v1`` layer maps them
 
 - Sampling: ``temperature``, ``top_p``, ``seed``, ``stop``, ``presence_penalty``,
   ``frequency_penalty`` keep their names in ``options``; ``max_completion_tokens`` (else
-  ``max_tokens``) is ``num_predict``. Unlike Ollama's layer, an absent temperature or top_p is
+  ``max_tokens``) is ``num_predict``. Ollama's own ``options`` (``num_ctx``, which coding
+  agents need long) are carried to the backend, where Ollama's ``/v1`` drops them; OpenAI's
+  fields win over the same option. Unlike Ollama's layer, an absent temperature or top_p is
   left to the model (Ollama's layer sets OpenAI's 1.0).
 - ``reasoning_effort`` (or ``reasoning.effort``) is ``think``, clamped as Ollama clamps it.
 - ``response_format``: ``json_object`` is format ``"json"``, ``json_schema`` its ``schema``.
@@ -118,6 +120,8 @@ class _Sampling(msgspec.Struct):
     frequency_penalty: float | None = None
     n: int | None = None
     logprobs: Any = None
+    options: dict[str, Any] | None = None
+    """Ollama's own options (``num_ctx``…), which Ollama's ``/v1`` drops: carried here."""
 
 
 class _Chat(_Sampling):
@@ -145,7 +149,7 @@ def _sampling_options(req: _Sampling) -> dict[str, Any]:
     """OpenAI's sampling fields under Ollama's option names (what tasks carry)."""
     refuse("n", req.n is not None and req.n != 1, "one choice per request")
     refuse("logprobs", req.logprobs, "the fleet's answers carry no token log probabilities")
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = dict(req.options or {})
     for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value is not None:

@@ -9,7 +9,8 @@ client's ``responses.create`` and the Codex CLI.
   ``function_call_output`` (a ``tool`` message answering the call with that ``call_id``,
   named after it), and ``reasoning`` (accepted, not carried: chat messages have no field).
 - ``instructions`` is the first message, ``role: "system"``.
-- ``max_output_tokens`` is ``num_predict``; ``temperature`` and ``top_p`` keep their names.
+- ``max_output_tokens`` is ``num_predict``; ``temperature`` and ``top_p`` keep their names;
+  Ollama's own ``options`` (``num_ctx``…) are carried, as on the chat API.
 - ``tools`` of type ``function`` (``name``, ``description``, ``parameters``) are function
   tools, and a ``namespace``'s members are too, each named ``<namespace>.<name>``;
   ``tool_choice`` ``none`` sends none, ``required`` or a named function travels as the
@@ -101,6 +102,7 @@ class _Responses(msgspec.Struct):
     background: bool | None = None
     previous_response_id: str | None = None
     conversation: Any = None
+    options: dict[str, Any] | None = None
 
 
 def _parts(parts: str | list[_Part] | None, where: str) -> tuple[str, list[str]]:
@@ -258,7 +260,7 @@ def openai_responses(body: bytes, *, timeout_s: float | None) -> Ask:
     turns = _turns(items)
     if req.instructions:
         turns.insert(0, message("system", req.instructions))
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = dict(req.options or {})
     if req.max_output_tokens is not None:
         options["num_predict"] = req.max_output_tokens
     for name in ("temperature", "top_p"):

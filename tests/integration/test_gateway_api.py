@@ -278,6 +278,25 @@ async def test_options_and_keep_alive_reach_the_backend_unchanged(
         "frequency_penalty": 0.4,
     }
 
+    # Ollama's own options on /v1 (num_ctx, which coding agents need long) are carried, where
+    # Ollama's /v1 drops them; OpenAI's own fields win over the same option.
+    await ai.chat.completions.create(
+        model=CHAT,
+        messages=[{"role": "user", "content": "4+4"}],
+        temperature=0.7,
+        extra_body={"options": {"num_ctx": 32768, "temperature": 0.0}},
+    )
+    assert last(stack.ollama, "last_chat")["options"] == {"num_ctx": 32768, "temperature": 0.7}
+    await ai.responses.create(model=CHAT, input="5+5", extra_body={"options": {"num_ctx": 8192}})
+    assert last(stack.ollama, "last_chat")["options"] == {"num_ctx": 8192}
+    with pytest.raises(openai.BadRequestError) as wrong:
+        await ai.chat.completions.create(
+            model=CHAT,
+            messages=[{"role": "user", "content": "6+6"}],
+            extra_body={"options": ["num_ctx"]},
+        )
+    assert wrong.value.code == "bad_request" and "options" in wrong.value.message
+
 
 # -- embeddings ---------------------------------------------------------------------------------
 

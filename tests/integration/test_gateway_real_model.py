@@ -1,5 +1,6 @@
 """The gateway in front of a real model: llama.cpp's server with SmolLM2-135M behind a worker's
-OpenAI-compatible backend, asked through the official ``openai`` and ``ollama`` clients."""
+OpenAI-compatible backend, asked through the official ``openai``, ``ollama`` and ``anthropic``
+clients (chat, the Responses API and the Messages API)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 from typing import Any
 
+import anthropic
 import ollama
 import openai
 import pydantic
@@ -68,6 +70,67 @@ async def test_a_real_model_chats_through_the_gateway(
     assert "".join(pieces) == text  # temperature 0: the same answer, streamed
     assert (chatted.message.content or "").strip()
     assert chatted.eval_count and chatted.eval_count > 0
+
+
+async def test_a_real_model_answers_the_responses_and_messages_apis_whole_and_streamed(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner, llama_server: str
+) -> None:
+    runner.router(nats_server.url)
+    runner.worker(
+        nats_server.url,
+        "http://unused",
+        "llama",
+        worker_backend="openai",
+        openai_base_url=llama_server,
+    )
+    url = await start_gateway(runner, nats_server.url)
+    await workers_live(nc, 1)
+    question = CONVERSATION[1]["content"]
+    instructions = CONVERSATION[0]["content"]
+
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as ai:
+        response = await ai.responses.create(
+            model=MODEL,
+            input=question,
+            instructions=instructions,
+            max_output_tokens=16,
+            temperature=0,
+        )
+        async with ai.responses.stream(
+            model=MODEL,
+            input=question,
+            instructions=instructions,
+            max_output_tokens=16,
+            temperature=0,
+        ) as stream:
+            deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+    claude = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+    async with claude:
+        message = await claude.messages.create(
+            model=MODEL,
+            max_tokens=16,
+            system=instructions,
+            messages=[{"role": "user", "content": question}],
+            extra_body={"temperature": 0},
+        )
+        async with claude.messages.stream(
+            model=MODEL,
+            max_tokens=16,
+            system=instructions,
+            messages=[{"role": "user", "content": question}],
+            extra_body={"temperature": 0},
+        ) as streamed:
+            pieces = [piece async for piece in streamed.text_stream]
+            final = await streamed.get_final_message()
+
+    text = response.output_text
+    assert text.strip() and response.usage is not None and response.usage.output_tokens > 0
+    assert len(deltas) > 1 and "".join(deltas) == text  # temperature 0: the same answer
+    said = message.content[0]
+    assert isinstance(said, anthropic.types.TextBlock) and said.text == text
+    assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens > 0
+    assert len(pieces) > 1 and "".join(pieces) == text
+    assert final.usage.output_tokens == message.usage.output_tokens
 
 
 # llama.cpp's server with vectors and a tools-aware chat template (module-scoped as well).
