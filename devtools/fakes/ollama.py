@@ -539,8 +539,8 @@ def _context_bytes(normalized: str, num_ctx: int) -> int:
     return num_ctx * (_parameter_count(normalized) // 56_000)
 
 
-def _digest(name: str) -> str:
-    return hashlib.sha256(_normalize(name).encode()).hexdigest()
+def _digest(name: str, copy: str = "") -> str:
+    return hashlib.sha256(f"{copy}{_normalize(name)}".encode()).hexdigest()
 
 
 def _embedding_length(normalized: str, embedding_model: bool) -> int:
@@ -1210,9 +1210,13 @@ class FakeOllama:
         fail_status: int | None = None,
         load_ms: float = 0.0,
         replies: dict[str, str] | None = None,
+        copy: str = "",
     ) -> None:
         self.host = host
         self.port = port
+        self.copy = copy
+        """Which build of its models this server holds: another ``copy`` lists other digests
+        under the same names (a model pulled at another time, or created from a Modelfile)."""
         self._defaults: dict[str, Any] = {
             "delay_s": _check_knob("delay_s", delay_s),
             "fail_status": _check_knob("fail_status", fail_status),
@@ -1790,7 +1794,7 @@ class _Handler(BaseHTTPRequestHandler):
             "model": name,
             "modified_at": _MODIFIED_AT,
             "size": _size(name),
-            "digest": _digest(name),
+            "digest": _digest(name, self._fake.copy),
             "details": _details(name),
         }
 

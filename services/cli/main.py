@@ -19,9 +19,9 @@ import msgspec
 
 from schemas import events, leaders, queries, route, stats, tasks, vectors, workers
 from schemas.models import COMPLETION, facts_in
-from schemas.subjects import TASK, WORKERS
+from schemas.subjects import STATS, TASK, WORKERS
 from services import __version__
-from services.cli import deploy, doctor, keys, stats_commands
+from services.cli import deploy, doctor, keys, model_matrix, stats_commands
 from services.cli.client import open_client, route_and_wait, say_asking_again
 from services.cli.stopping import budget_of
 from services.errors import ConfigError, CoordinatorError
@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     ws = sub.add_parser("workers", help="list live workers")
     ws.add_argument("--json", action="store_true")
     ws.set_defaults(func=cmd_workers)
+
+    mods = sub.add_parser(
+        "models",
+        help="the fleet's models: which worker has which copy, loaded or not, last use, speed",
+    )
+    mods.add_argument("--json", action="store_true")
+    mods.set_defaults(func=cmd_models)
 
     sch = sub.add_parser("schemas", help="wire types")
     sch_sub = sch.add_subparsers(dest="schemas_command", required=True, metavar="ACTION")
@@ -352,6 +359,42 @@ def cmd_workers(args: argparse.Namespace) -> int:
             print(f"  ! degraded{since}: {w.health_reason or 'no reason given'}")
         for problem in w.problems:
             print(f"  ! {problem}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """The model matrix (`services.cli.model_matrix`): the live workers from the router, the
+    figures from the stats service when it answers (else without last use and speed)."""
+
+    async def go() -> tuple[bytes, bytes | None]:
+        nc = await open_client()
+        try:
+            fleet = await call(
+                nc,
+                WORKERS,
+                b"{}",
+                10.0,
+                unserved_s=UNSERVED_FOR_S,
+                on_unserved=say_asking_again,
+            )
+            try:
+                figures: bytes | None = await call(nc, STATS, b"{}", 5.0)
+            except CoordinatorError:
+                figures = None
+            return fleet, figures
+        finally:
+            await nc.close()
+
+    setup_logging("error", "console", stream=sys.stderr)
+    fleet, figures = asyncio.run(go())
+    found = model_matrix.matrix(
+        msgspec.json.decode(fleet, type=queries.WorkersReply).workers,
+        None if figures is None else msgspec.json.decode(figures, type=stats.StatsReply).figures,
+    )
+    if args.json:
+        print(model_matrix.encode(found).decode())
+    else:
+        print("\n".join(model_matrix.table(found)))
     return 0
 
 

@@ -1,0 +1,152 @@
+"""The fleet's model matrix (`coordinator models`): which live worker has which model, its
+copy there (size, quantisation, digest), whether its backend holds it in memory now, when
+it last ran a task there and how fast, and the models whose copies differ by digest under
+one name. Built from the router's workers reply and the stats service's figures. Pure: no
+I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from schemas.models import facts_in
+from schemas.queries import WorkerView
+from schemas.stats import FigureView
+
+
+class Copy(msgspec.Struct, frozen=True, kw_only=True):
+    """One model on one worker."""
+
+    worker: str
+    host: str
+    size: int = 0
+    """Bytes on disk, as the backend lists it (0: it did not say)."""
+    quantization: str = ""
+    parameter_size: str = ""
+    digest: str = ""
+    loaded: bool | None = None
+    """In the backend's memory now (None: the worker does not say what its backend holds)."""
+    last_used: float | None = None
+    """When its last counted task there ended (None: none counted)."""
+    tasks: int = 0
+    tokens_per_s: float | None = None
+    """Generation speed there, over its counted tasks (None: not measured)."""
+
+
+class ModelRow(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    copies: list[Copy]
+    digests_differ: bool = False
+    """Two workers hold different copies under this name (a digest each, and not the same)."""
+
+
+class Matrix(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``--json`` prints: every field, unknowns as null (scripts need not guess)."""
+
+    models: list[ModelRow]
+    figures: bool
+    """Whether the stats service answered (else ``last_used`` and speeds are unknown)."""
+
+
+def _speed(figures: Sequence[FigureView]) -> tuple[int, float | None, float | None]:
+    """Tasks counted, tokens per second weighted by each domain's count, the last end."""
+    counted = [f for f in figures if f.tokens_per_s is not None]
+    weight = sum(f.count for f in counted)
+    speed = sum((f.tokens_per_s or 0.0) * f.count for f in counted) / weight if weight else None
+    last = max((f.last_at for f in figures), default=None)
+    return sum(f.count for f in figures), speed, last
+
+
+def matrix(workers: Sequence[WorkerView], figures: Sequence[FigureView] | None = None) -> Matrix:
+    """Every model a live worker serves, its copies in worker order."""
+    by_key: dict[tuple[str, str], list[FigureView]] = {}
+    for figure in figures or ():
+        by_key.setdefault((figure.model, figure.worker), []).append(figure)
+    rows: dict[str, list[Copy]] = {}
+    for worker in sorted(workers, key=lambda w: w.worker_id):
+        if worker.tier == "web":
+            continue
+        resident = set(worker.resident) if worker.resident is not None else None
+        for model in worker.models:
+            facts = facts_in(worker.facts, model)
+            tasks, speed, last = _speed(by_key.get((model, worker.worker_id), ()))
+            rows.setdefault(model, []).append(
+                Copy(
+                    worker=worker.worker_id,
+                    host=worker.host,
+                    size=facts.size,
+                    quantization=facts.details.quantization_level,
+                    parameter_size=facts.details.parameter_size,
+                    digest=facts.digest,
+                    loaded=None if resident is None else model in resident,
+                    last_used=last,
+                    tasks=tasks,
+                    tokens_per_s=speed,
+                )
+            )
+    return Matrix(
+        models=[
+            ModelRow(
+                model=model,
+                copies=copies,
+                digests_differ=len({c.digest for c in copies if c.digest}) > 1,
+            )
+            for model, copies in sorted(rows.items())
+        ],
+        figures=figures is not None,
+    )
+
+
+def _size(size: int) -> str:
+    if not size:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+def _ago(at: float | None, now: float) -> str:
+    if at is None:
+        return "never"
+    seconds = max(now - at, 0.0)
+    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= scale:
+            return f"{seconds / scale:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
+def table(found: Matrix, now: float | None = None) -> list[str]:
+    """``found`` as the lines ``coordinator models`` prints."""
+    if not found.models:
+        return ["no live worker serves a model"]
+    now = time.time() if now is None else now
+    lines = [
+        f"{'MODEL':<28} {'WORKER':<16} {'SIZE':>9} {'QUANT':<8} {'DIGEST':<12} "
+        f"{'LOADED':<6} {'LAST USED':<12} {'SPEED':>12}"
+    ]
+    for row in found.models:
+        for n, copy in enumerate(row.copies):
+            loaded = "-" if copy.loaded is None else ("yes" if copy.loaded else "no")
+            speed = f"{copy.tokens_per_s:.1f} tok/s" if copy.tokens_per_s is not None else "-"
+            last = _ago(copy.last_used, now) if found.figures else "?"
+            name = row.model if n == 0 else ""
+            lines.append(
+                f"{name:<28} {copy.worker:<16} {_size(copy.size):>9} "
+                f"{copy.quantization or '-':<8} {copy.digest[:12] or '-':<12} {loaded:<6} "
+                f"{last:<12} {speed:>12}"
+            )
+        if row.digests_differ:
+            held = ", ".join(f"{c.worker} {c.digest[:12]}" for c in row.copies if c.digest)
+            lines.append(f"  ! {row.model} differs by digest between workers: {held}")
+    if not found.figures:
+        lines.append("(the stats service did not answer: last use and speed are unknown)")
+    return lines
+
+
+def encode(found: Matrix) -> bytes:
+    """``found`` as ``coordinator models --json`` prints it."""
+    return msgspec.json.encode(found)
