@@ -21,10 +21,11 @@ from schemas import events, leaders, queries, route, stats, tasks, vectors, work
 from schemas.models import COMPLETION, facts_in
 from schemas.subjects import STATS, TASK, WORKERS
 from services import __version__
-from services.cli import deploy, doctor, keys, model_matrix, stats_commands
+from services.cli import deploy, doctor, keys, model_table, stats_commands
 from services.cli.client import open_client, route_and_wait, say_asking_again
 from services.cli.stopping import budget_of
 from services.errors import ConfigError, CoordinatorError
+from services.fleet import model_matrix
 from services.gateway.settings import GatewaySettings
 from services.reaper.settings import ReaperSettings
 from services.router.settings import RouterSettings
@@ -394,7 +395,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         print(model_matrix.encode(found).decode())
     else:
-        print("\n".join(model_matrix.table(found)))
+        print("\n".join(model_table.table(found)))
     return 0
 
 

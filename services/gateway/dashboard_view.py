@@ -18,8 +18,10 @@ import msgspec
 
 from schemas.queries import WorkerView
 from schemas.stats import Baseline, ExclusionView, FigureView
+from schemas.subjects import STATS
 from schemas.workers import WorkerRecord
 from services.fleet.liveness import is_live
+from services.fleet.model_matrix import matrix
 from services.fleet.policy import tier_label
 from services.gateway.bench_history import BenchHistory, BenchSeries
 from services.gateway.board import Ended, ReaperAction, TaskBoard
@@ -242,6 +244,10 @@ def sections(known: Known, now: float, ttl_s: float) -> dict[str, Any]:
             "failures": end_rows(list(board.failures)),
             "actions": action_rows(list(board.actions)),
         },
+        "models": matrix(
+            [known.views[w] for w in sorted(known.views)],
+            None if STATS in known.unavailable else known.figures,
+        ),
         "figures": {
             "figures": known.figures,
             "cold_loads": [

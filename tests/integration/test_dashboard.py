@@ -189,7 +189,7 @@ async def fleet(
 ) -> AsyncIterator[Fleet]:
     with (
         FakeOllama(models=[PLAIN, SMALL], load_ms=800.0) as fake_a,
-        FakeOllama(models=[PLAIN, SMALL], load_ms=1200.0) as fake_b,
+        FakeOllama(models=[PLAIN, SMALL], load_ms=1200.0, copy="rebuilt") as fake_b,
     ):
         runner.stats(nats_server.url, pg_dsn)
         runner.router(nats_server.url)
@@ -319,6 +319,13 @@ async def test_the_dashboard_follows_the_fleet_live_in_a_browser(
                 state = page.locator(f'tr[data-worker="{worker}"] td.state')
                 await expect(state).to_have_text("idle", timeout=10_000)
             await page.evaluate("window.notReloaded = true")
+            # Each model's copies, and the builds that differ (cpu-2's stand-in holds others).
+            await expect(
+                page.locator(f'#models tr[data-model="{PLAIN}"][data-worker]')
+            ).to_have_count(2, timeout=10_000)
+            await expect(page.locator(f'#models tr.differs[data-model="{PLAIN}"]')).to_contain_text(
+                "differs by digest"
+            )
 
             # A slow task shows up running, then done, with no reload.
             fleet.fake_a.delay_s = 3.0

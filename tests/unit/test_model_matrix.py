@@ -5,7 +5,8 @@ from __future__ import annotations
 from schemas.models import ModelDetails, ModelFacts
 from schemas.queries import WorkerView
 from schemas.stats import FigureView
-from services.cli.model_matrix import matrix, table
+from services.cli.model_table import table
+from services.fleet.model_matrix import matrix
 
 NOW = 1_800_000_000.0
 

@@ -16,7 +16,7 @@
   ];
 
   const state = {
-    summary: null, workers: [], tasks: null, figures: null, bench: [], config: null,
+    summary: null, workers: [], models: null, tasks: null, figures: null, bench: [], config: null,
     samples: [], skew: 0, // server clock minus this one, in seconds
   };
   const charts = {};
@@ -154,6 +154,32 @@
       );
     });
     fill("workers", rows, "No worker has registered.", 9);
+  }
+
+  function renderModels() {
+    const m = state.models;
+    if (!m) return;
+    const rows = [];
+    for (const row of m.models) {
+      row.copies.forEach((c, n) => rows.push(el("tr", { "data-model": row.model, "data-worker": c.worker },
+        el("td", { label: "model" }, n === 0 ? el("b", {}, row.model) : ""),
+        el("td", { label: "worker" }, c.worker, el("span", { class: "sub" }, c.host)),
+        el("td", { label: "size", class: "num" }, c.size ? bytes(c.size) : "–"),
+        el("td", { label: "quantisation" }, c.quantization || "–",
+          c.parameter_size ? el("span", { class: "sub" }, c.parameter_size) : null),
+        el("td", { label: "digest", class: "id", title: c.digest }, c.digest ? c.digest.slice(0, 12) : "–"),
+        el("td", { label: "in memory" }, c.loaded === null ? "–" : badge(c.loaded ? "loaded" : "not loaded", c.loaded ? "idle" : "")),
+        el("td", { label: "last used", class: "num" }, m.figures ? (c.last_used ? ago(c.last_used) : "never") : "?"),
+        el("td", { label: "tokens/s", class: "num" }, num(c.tokens_per_s)),
+      )));
+      if (row.digests_differ) {
+        rows.push(el("tr", { class: "differs", "data-model": row.model },
+          el("td", { class: "problem", colSpan: 8 },
+            `${row.model} differs by digest between workers: `,
+            row.copies.filter((c) => c.digest).map((c) => `${c.worker} ${c.digest.slice(0, 12)}`).join(", "))));
+      }
+    }
+    fill("models", rows, "No live worker serves a model.", 8);
   }
 
   function renderTasks() {
@@ -375,6 +401,7 @@
       renderTasks();
     },
     workers(data) { state.workers = data; renderWorkers(); },
+    models(data) { state.models = data; renderModels(); },
     tasks(data) { state.tasks = data; renderTasks(); },
     figures(data) { state.figures = data; renderFigures(); },
     bench(data) { state.bench = data; chartsSoon(); },
