@@ -17,13 +17,14 @@ from typing import Any
 
 import anthropic
 import httpx
+import msgspec
 import pytest
 from anthropic.types import TextBlock, ThinkingBlock, ToolUseBlock
 from nats.aio.client import Client
 
 from devtools.servers import NatsServer
 from services.gateway.keys import new_key
-from tests.harness import ServiceRunner
+from tests.harness import ServiceRunner, last_task_event
 from tests.integration.test_gateway import PLAIN as SERVED
 from tests.integration.test_gateway import Stack, gateway_stack
 from tests.integration.test_gateway_api import (
@@ -93,6 +94,23 @@ async def test_a_message_whole_and_streamed_with_a_system_prompt(
     assert text == "42"
     assert final.stop_reason == "end_turn" and final.usage.output_tokens > 0
     assert final.id.startswith("msg_")
+
+
+async def test_a_message_is_a_task_like_any_other_in_the_event_log(
+    nc: Client, claude: anthropic.AsyncAnthropic
+) -> None:
+    raw = await claude.messages.with_raw_response.create(
+        model=CHAT, max_tokens=64, system="Answer briefly.", messages=user("what is 6*7")
+    )
+    task_id = raw.headers["X-Coordinator-Task"]
+    js = nc.jetstream()
+    submitted = msgspec.json.decode((await last_task_event(js, task_id, "submitted")).data or b"")
+    completed = msgspec.json.decode((await last_task_event(js, task_id, "completed")).data or b"")
+
+    assert (await raw.parse()).id == f"msg_{task_id}"
+    assert [m["role"] for m in submitted["work"]["messages"]] == ["system", "user"]
+    assert submitted["work"]["options"]["num_predict"] == 64
+    assert (completed["response"], completed["model"]) == ("42", CHAT)
 
 
 async def test_sampling_fields_reach_the_backend_as_ollamas_options(
