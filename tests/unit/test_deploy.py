@@ -202,6 +202,10 @@ def test_the_image_is_installed_by_the_same_script_as_ci() -> None:
         "scripts/bootstrap",
     }
     assert compose()["x-coordinator"]["build"]["dockerfile"] == "deploy/Dockerfile"
+    # What the tests install inside the copied folders stays out of the image (the coding
+    # agents alone are hundreds of MB).
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", "devtools/agents/node_modules"} <= set(ignored)
 
 
 def test_the_committed_nats_configuration_is_the_rendering_of_the_permissions() -> None:
