@@ -45,6 +45,7 @@ from services.cli.doctor_cluster import MetaGroup, meta_from_jsz
 from services.cli.doctor_line import Check
 from services.cli.replication import FLEET_STREAMS
 from services.cli.unit_scan import scan_unit_dirs
+from services.runtime.bus import bucket_keys
 from services.runtime.settings import NatsAuth
 
 NO_SYSTEM_USER: Final = (
@@ -162,12 +163,8 @@ async def gather(
         if registry is not None:
             g.ttl_s = registry.config.max_age or DEFAULT_TTL_S
             kv = await js.key_value(WORKERS_BUCKET)
-            try:
-                keys = await kv.keys()
-            except nats.js.errors.NoKeysError:
-                keys = []
-            for key in keys:
-                with contextlib.suppress(nats.js.errors.KeyNotFoundError, msgspec.DecodeError):
+            for key in await bucket_keys(js, WORKERS_BUCKET):
+                with contextlib.suppress(nats.js.errors.NotFoundError, msgspec.DecodeError):
                     entry = await kv.get(key)
                     g.records.append(worker_record_decoder.decode(entry.value or b""))
         g.services = await _service_infos(nc, info_wait_s)

@@ -18,11 +18,12 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 import nats.errors
+from nats.js import JetStreamContext
 from nats.js.errors import (
     BucketNotFoundError,
+    KeyDeletedError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NoKeysError,
     NotFoundError,
 )
 from nats.js.kv import KeyValue
@@ -39,7 +40,7 @@ from services.gateway.keys import (
     record_decoder,
     record_encoder,
 )
-from services.runtime.bus import connect, ensure_bucket
+from services.runtime.bus import bucket_keys, connect, ensure_bucket
 
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
@@ -82,7 +83,7 @@ def cmd_add(args: argparse.Namespace) -> int:
     key = new_key()
     record = make_record(args.name, key, args.priority, time.time())
 
-    async def go(kv: KeyValue | None) -> bool:
+    async def go(kv: KeyValue | None, js: JetStreamContext) -> bool:
         assert kv is not None  # made when missing
         try:
             await kv.create(record.name, record_encoder.encode(record))
@@ -107,19 +108,15 @@ def cmd_add(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    async def go(kv: KeyValue | None) -> list[KeyRecord]:
+    async def go(kv: KeyValue | None, js: JetStreamContext) -> list[KeyRecord]:
         if kv is None:
             return []
-        try:
-            names = await kv.keys()
-        except NoKeysError:
-            return []
         records = []
-        for name in sorted(names):
+        for name in await bucket_keys(js, GATEWAY_KEYS_BUCKET):
             try:
                 entry = await kv.get(name)
-            except KeyNotFoundError:
-                continue  # revoked meanwhile
+            except (KeyNotFoundError, KeyDeletedError):
+                continue  # revoked
             if entry.value:
                 records.append(
                     msgspec.structs.replace(record_decoder.decode(entry.value), name=name)
@@ -147,7 +144,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     if (bad := _bad_name(args.name)) is not None:
         return bad
 
-    async def go(kv: KeyValue | None) -> bool:
+    async def go(kv: KeyValue | None, js: JetStreamContext) -> bool:
         if kv is None:
             return False
         try:
@@ -173,20 +170,22 @@ def _bad_name(name: str) -> int | None:
     return None
 
 
-def _run(action: Callable[[KeyValue | None], Awaitable[T]], *, create: bool = False) -> T:
-    """Run ``action(bucket)`` on a fresh connection; the bucket is made when ``create`` (else
-    ``action`` gets None when it does not exist)."""
+def _run(
+    action: Callable[[KeyValue | None, JetStreamContext], Awaitable[T]], *, create: bool = False
+) -> T:
+    """Run ``action(bucket, js)`` on a fresh connection; the bucket is made when ``create``
+    (else ``action`` gets None when it does not exist)."""
 
     async def go() -> T:
         nc = await connect(find_nats_url(), "coordinator-keys", connect_timeout_s=3.0)
         try:
             js = nc.jetstream()
             if create:
-                return await action(await ensure_bucket(js, GATEWAY_KEYS_BUCKET, ttl_s=None))
+                return await action(await ensure_bucket(js, GATEWAY_KEYS_BUCKET, ttl_s=None), js)
             kv: KeyValue | None = None
             with suppress(BucketNotFoundError, NotFoundError):
                 kv = await js.key_value(GATEWAY_KEYS_BUCKET)
-            return await action(kv)
+            return await action(kv, js)
         except nats.errors.TimeoutError:
             # What a NATS user gets for a subject it may not publish to: no answer.
             raise Unavailable(

@@ -456,6 +456,17 @@ async def ensure_streams(
     return await ensure_bucket(js, WORKERS_BUCKET, ttl_s=worker_ttl_s)
 
 
+async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
+    """The keys a KV bucket holds a value or a delete marker for, sorted, as its stream's
+    leader lists them (``subjects_filter``). Not nats.py's ``KeyValue.keys()``: its watch may
+    mark the end of the initial values before counting those already delivered, and then
+    says the bucket is empty (seen: ``coordinator keys list`` right after two adds). A key
+    whose last entry is a delete marker is listed: reading it raises ``KeyDeletedError``."""
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    return sorted(subject.removeprefix(prefix) for subject in info.state.subjects or {})
+
+
 async def ensure_bucket(js: JetStreamContext, bucket: str, *, ttl_s: float | None) -> KeyValue:
     """Create the KV bucket, or update its TTL when it exists with another one."""
     config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE)

@@ -130,6 +130,8 @@ async def test_keys_add_list_revoke_with_the_cli_and_the_gateway_follows(
         )
         took = time.monotonic() - started
         unknown = await cli("keys", "revoke", "alice", env=env)
+        # A revoked key's delete marker is in the bucket: it is not listed.
+        without = await cli("keys", "list", "--json", env=env)
         readded = await cli("keys", "add", "alice", env=env)
         after = await cli("keys", "list", "--json", env=env)
 
@@ -150,6 +152,7 @@ async def test_keys_add_list_revoke_with_the_cli_and_the_gateway_follows(
     assert revoked.returncode == 0 and "revoked" in revoked.stdout
     assert took < 2.0
     assert unknown.returncode == 1 and "error not_found" in unknown.stderr
+    assert [r["name"] for r in json.loads(without.stdout)] == ["bob"]
     assert readded.returncode == 0 and readded.stdout.strip() != key
     assert [r["name"] for r in json.loads(after.stdout)] == ["alice", "bob"]
 
