@@ -7,6 +7,8 @@ runs them; `ServiceRunner` stops them through their stop events, as SIGTERM woul
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import os
 import signal
 import subprocess
@@ -30,6 +32,8 @@ from services.runtime.settings import WorkerSettings
 from services.stats.settings import StatsSettings
 from services.worker.service import run as run_worker
 
+_log = logging.getLogger("tests.services")
+
 FAST_WORKER = {
     "heartbeat_interval_s": 0.5,
     "worker_ttl_s": 3.0,
@@ -45,6 +49,16 @@ FAST_REAPER = {
 }
 
 
+def _report_end(service: str, stop: asyncio.Event, task: asyncio.Task[None]) -> None:
+    """A service that ended by itself with an error says so in the test's log, with its
+    traceback: `ServiceRunner.stop_all` does not raise it, and a test that fails later for
+    want of that service would otherwise not say why."""
+    if task.cancelled() or (error := task.exception()) is None:
+        return
+    when = "after its stop" if stop.is_set() else "before its stop"
+    _log.error("service %s ended %s with %r", service, when, error, exc_info=error)
+
+
 class ServiceRunner:
     """Starts services as tasks and stops them all at the end."""
 
@@ -56,6 +70,7 @@ class ServiceRunner:
     ) -> asyncio.Task[None]:
         stop = asyncio.Event()
         task = asyncio.create_task(fn(settings, stop))
+        task.add_done_callback(functools.partial(_report_end, fn.__module__, stop))
         self._running.append((stop, task))
         return task
 
