@@ -38,7 +38,15 @@ import msgspec
 
 from schemas.route import MAX_MESSAGES, ChatMessage, ToolCall
 from services.gateway.common import ApiError, Ask, check_count, decode, encoder, refuse, shown
-from services.gateway.conversation import check_images, conversation, message, route
+from services.gateway.conversation import (
+    check_images,
+    conversation,
+    forced_tool,
+    function_tool,
+    message,
+    route,
+    tool_result,
+)
 
 _IMAGE_TYPES: Final = ("image/jpeg", "image/png", "image/gif", "image/webp")
 # Ollama's think levels for Anthropic's ``output_config.effort`` (xhigh is high, as there).
@@ -195,15 +203,7 @@ def _turn(m: _Message, names: dict[str, str]) -> list[ChatMessage]:
             if not block.tool_use_id:
                 raise ApiError(400, "bad_request", "a tool_result block needs its 'tool_use_id'")
             text, result_images = _result(block)
-            results.append(
-                message(
-                    "tool",
-                    text,
-                    images=result_images or None,
-                    tool_name=names.get(block.tool_use_id),
-                    tool_call_id=block.tool_use_id,
-                )
-            )
+            results.append(tool_result(text, result_images, block.tool_use_id, names))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
         else:
@@ -247,20 +247,14 @@ def _tools(req: _Conversation) -> tuple[list[dict[str, Any]] | None, dict[str, A
             )
         if not tool.name:
             raise ApiError(400, "bad_request", "every tool needs a 'name'")
-        function: dict[str, Any] = {
-            "name": tool.name,
-            "parameters": tool.input_schema or {"type": "object", "properties": {}},
-        }
-        if tool.description:
-            function["description"] = tool.description
-        tools.append({"type": "function", "function": function})
+        tools.append(function_tool(tool.name, tool.description, tool.input_schema))
     choice = req.tool_choice
     if choice is None or choice.type == "auto":
         return tools or None, {}
     if choice.type == "none":
         return None, {}
     if choice.type == "any":
-        return tools or None, {"tool_choice": "required"}
+        return tools or None, forced_tool()
     if choice.type == "tool":
         if not choice.name or choice.name not in {tool.name for tool in req.tools or ()}:
             raise ApiError(
@@ -268,8 +262,7 @@ def _tools(req: _Conversation) -> tuple[list[dict[str, Any]] | None, dict[str, A
                 "bad_request",
                 f"tool_choice names tool {shown(choice.name)}, which is not among the tools",
             )
-        named = {"type": "function", "function": {"name": choice.name}}
-        return tools or None, {"tool_choice": named}
+        return tools or None, forced_tool(choice.name)
     raise ApiError(
         400,
         "bad_request",

@@ -134,6 +134,37 @@ def think(value: bool | str | None) -> bool | str | None:
 # -- tool calls ---------------------------------------------------------------------------------
 
 
+def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None) -> Any:
+    """A tool as the chat API takes it (``{"type": "function", "function": {...}}``), for the
+    APIs that declare tools otherwise (Anthropic's ``input_schema``, the Responses API's flat
+    function); no parameters is an object without properties."""
+    function: dict[str, Any] = {
+        "name": name,
+        "parameters": parameters or {"type": "object", "properties": {}},
+    }
+    if description:
+        function["description"] = description
+    return {"type": "function", "function": function}
+
+
+def forced_tool(name: str | None = None) -> dict[str, Any]:
+    """The option that holds the model to calling a tool (any, or the one ``name``d), as the
+    chat API's ``tool_choice`` says it: an OpenAI-compatible backend holds the model to it,
+    Ollama ignores it."""
+    choice: Any = "required" if name is None else {"type": "function", "function": {"name": name}}
+    return {"tool_choice": choice}
+
+
+def tool_result(
+    text: str, images: list[str] | None, call_id: str, names: dict[str, str]
+) -> ChatMessage:
+    """A tool's result answering the call ``call_id``, named after that call (``names``: the
+    calls seen so far, by id), as Ollama's layers name it."""
+    return message(
+        "tool", text, images=images or None, tool_name=names.get(call_id), tool_call_id=call_id
+    )
+
+
 def arguments_of(text: str) -> dict[str, Any] | str:
     """OpenAI's ``arguments`` text as the JSON object it holds, or the text as it came when it
     is not one (OpenAI's API allows any text; the model sees it unchanged)."""

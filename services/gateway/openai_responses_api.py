@@ -34,7 +34,16 @@ import msgspec
 
 from schemas.route import MAX_MESSAGES, ChatMessage, OutputFormat, ToolCall
 from services.gateway.common import ApiError, Ask, check_count, decode, refuse, shown
-from services.gateway.conversation import arguments_of, check_images, conversation, message, route
+from services.gateway.conversation import (
+    arguments_of,
+    check_images,
+    conversation,
+    forced_tool,
+    function_tool,
+    message,
+    route,
+    tool_result,
+)
 from services.gateway.openai_api import image_of_url, think_of_effort
 
 _STATEFUL: Final = (
@@ -157,15 +166,7 @@ def _turns(items: list[_Item]) -> list[ChatMessage]:
             if not item.call_id:
                 raise ApiError(400, "bad_request", "a function_call_output needs its call_id")
             text, images = _parts(item.output, "function_call_output")
-            turns.append(
-                message(
-                    "tool",
-                    text,
-                    images=images or None,
-                    tool_name=names.get(item.call_id),
-                    tool_call_id=item.call_id,
-                )
-            )
+            turns.append(tool_result(text, images, item.call_id, names))
         elif kind == "reasoning":
             continue
         elif kind == "item_reference":
@@ -194,13 +195,7 @@ def _functions(tool: _Tool, prefix: str = "") -> list[dict[str, Any]]:
         )
     if not tool.name:
         raise ApiError(400, "bad_request", "every function tool needs a 'name'")
-    function: dict[str, Any] = {
-        "name": f"{prefix}{tool.name}",
-        "parameters": tool.parameters or {"type": "object", "properties": {}},
-    }
-    if tool.description:
-        function["description"] = tool.description
-    return [{"type": "function", "function": function}]
+    return [function_tool(f"{prefix}{tool.name}", tool.description, tool.parameters)]
 
 
 def _tools(req: _Responses) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
@@ -212,10 +207,9 @@ def _tools(req: _Responses) -> tuple[list[dict[str, Any]] | None, dict[str, Any]
     if choice == "none":
         return None, {}
     if choice == "required":
-        return tools or None, {"tool_choice": "required"}
+        return tools or None, forced_tool()
     if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name"):
-        named = {"type": "function", "function": {"name": choice["name"]}}
-        return tools or None, {"tool_choice": named}
+        return tools or None, forced_tool(str(choice["name"]))
     raise ApiError(
         400,
         "bad_request",

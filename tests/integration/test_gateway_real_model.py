@@ -29,9 +29,11 @@ CONVERSATION: list[Any] = [
 ]
 
 
-async def test_a_real_model_chats_through_the_gateway(
+async def llama_gateway(
     nats_server: NatsServer, nc: Client, runner: ServiceRunner, llama_server: str
-) -> None:
+) -> str:
+    """The router, a worker whose OpenAI-compatible backend is ``llama_server``, and the
+    gateway (its URL), the worker live."""
     runner.router(nats_server.url)
     runner.worker(
         nats_server.url,
@@ -42,6 +44,13 @@ async def test_a_real_model_chats_through_the_gateway(
     )
     url = await start_gateway(runner, nats_server.url)
     await workers_live(nc, 1)
+    return url
+
+
+async def test_a_real_model_chats_through_the_gateway(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner, llama_server: str
+) -> None:
+    url = await llama_gateway(nats_server, nc, runner, llama_server)
 
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as ai:
         whole = await ai.chat.completions.create(
@@ -75,16 +84,7 @@ async def test_a_real_model_chats_through_the_gateway(
 async def test_a_real_model_answers_the_responses_and_messages_apis_whole_and_streamed(
     nats_server: NatsServer, nc: Client, runner: ServiceRunner, llama_server: str
 ) -> None:
-    runner.router(nats_server.url)
-    runner.worker(
-        nats_server.url,
-        "http://unused",
-        "llama",
-        worker_backend="openai",
-        openai_base_url=llama_server,
-    )
-    url = await start_gateway(runner, nats_server.url)
-    await workers_live(nc, 1)
+    url = await llama_gateway(nats_server, nc, runner, llama_server)
     question = CONVERSATION[1]["content"]
     instructions = CONVERSATION[0]["content"]
 
