@@ -24,6 +24,7 @@ from typing import Any
 from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
 from services.cli.cluster import render_cluster_conf
 from services.cli.health import check_health, setup_streams
+from services.cli.identities import Store, default_store
 from services.cli.permissions import render_nats_conf
 from services.cli.roles import PER_WORKER, SERVICE_ROLES
 from services.cli.settings import MAX_REPLICAS, SetupSettings, check_replicas
@@ -95,6 +96,19 @@ def register(sub: Any) -> None:
         help="every node of the cluster, this one included (cluster port 6222 by default)",
     )
     nats.add_argument("--node", metavar="HOST", help="the node whose configuration to print")
+    nats.add_argument(
+        "--jwt",
+        action="store_true",
+        help="one identity per person and machine (decentralised JWTs; `coordinator invite`) "
+        "instead of one password user per role; makes the fleet's keys on first use",
+    )
+    nats.add_argument(
+        "--identities",
+        type=Path,
+        default=None,
+        help="with --jwt: where the fleet's keys are kept (default $COORDINATOR_IDENTITIES "
+        "or ~/.config/coordinator/identities)",
+    )
     nats.set_defaults(func=cmd_render_nats)
 
 
@@ -163,6 +177,18 @@ def cmd_render_launchd(args: argparse.Namespace) -> int:
 def cmd_render_nats(args: argparse.Namespace) -> int:
     cluster_options = {"--cluster": args.cluster, "--routes": args.routes, "--node": args.node}
     given = [name for name, value in cluster_options.items() if value is not None]
+    if args.jwt:
+        if given or args.worker or args.web_worker:
+            raise ConfigError(
+                "--jwt renders a single server's configuration, which names no worker "
+                "(`coordinator invite` adds them); a cluster's nodes use passwords for now"
+            )
+        store = Store(args.identities or default_store())
+        if not store.exists():
+            store.create()
+            print(f"made the fleet's keys in {store.path} (keep it private)", file=sys.stderr)
+        print(store.server_conf(), end="")
+        return 0
     if not given:
         print(render_nats_conf(args.worker, args.web_worker), end="")
         return 0

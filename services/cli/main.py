@@ -21,7 +21,7 @@ from schemas import events, leaders, queries, route, stats, tasks, vectors, work
 from schemas.models import COMPLETION, facts_in
 from schemas.subjects import STATS, TASK, WORKERS
 from services import __version__
-from services.cli import deploy, doctor, keys, model_table, stats_commands
+from services.cli import deploy, doctor, identities, join, keys, model_table, stats_commands
 from services.cli.client import open_client, route_and_wait, say_asking_again
 from services.cli.stopping import budget_of
 from services.errors import ConfigError, CoordinatorError
@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.register(sub)
     doctor.register(sub)
     keys.register(sub)  # the gateway's API keys
+    identities.register(sub)  # invite, revoke, identities: one NATS identity each
+    join.register(sub)
     return parser
 
 

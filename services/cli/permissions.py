@@ -85,7 +85,8 @@ ONE_REPLY: Final = 1
 STREAM_REPLIES: Final = 100_000
 # How long a service may answer a request it received: the longest a route request waits
 # (a task's timeout, a sleeping worker's wake, the margin) is well inside it.
-RESPONSES_EXPIRE: Final = "2h"
+RESPONSES_EXPIRE_S: Final = 2 * 3600
+RESPONSES_EXPIRE: Final = f"{RESPONSES_EXPIRE_S // 3600}h"
 # Reading a KV bucket whole (watch, keys) is an ordered consumer on its stream.
 _KV_WATCH = [
     *(f"$JS.API.CONSUMER.CREATE.{_kv(b)}" for b in (WORKERS_BUCKET, STATS_BUCKET, ASLEEP_BUCKET)),
@@ -142,9 +143,12 @@ def _leader_lease(role: str) -> list[str]:
 _STATS_READS = [STATS, STATS_EXCLUSIONS, STATS_BASELINES, ALIASES]
 
 
-def role_permissions(role: str, worker_id: str | None = None) -> Permissions:
-    """What one role's NATS user may do. ``worker_id`` for ``worker`` and ``web-search``."""
-    user = nats_user(role, worker_id)
+def role_permissions(
+    role: str, worker_id: str | None = None, *, user: str | None = None
+) -> Permissions:
+    """What one role's NATS user may do. ``worker_id`` for ``worker`` and ``web-search``;
+    ``user`` the identity whose inbox it reads (default: the role's password user)."""
+    user = user or nats_user(role, worker_id)
     if role in PER_WORKER:
         if worker_id is None:
             raise ConfigError(f"role {role} needs a worker id")
@@ -431,8 +435,13 @@ def render_nats_users(workers: Iterable[str], web_workers: Iterable[str]) -> str
 
 def render_nats_conf(workers: Iterable[str], web_workers: Iterable[str]) -> str:
     """The whole server configuration: JetStream, and one user per role and worker."""
-    template = (DEPLOY_DIR / "nats" / "nats-server.conf.in").read_text()
-    return template.replace("@USERS@\n", render_nats_users(workers, web_workers))
+    users = render_nats_users(workers, web_workers)
+    return render_server_conf(f"authorization {{\n  users = [\n{users}  ]\n}}\n")
+
+
+def render_server_conf(auth: str) -> str:
+    """The single server's configuration, with ``auth`` saying who is who."""
+    return (DEPLOY_DIR / "nats" / "nats-server.conf.in").read_text().replace("@AUTH@\n", auth)
 
 
 # Who the committed deploy/nats/nats-server.conf is rendered for (docker-compose.yml's fleet).

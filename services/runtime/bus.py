@@ -17,6 +17,7 @@ import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
 import nats
@@ -52,6 +53,7 @@ from schemas.subjects import (
     inbox_prefix,
 )
 from services.errors import ConfigError, StopRequested, Unavailable
+from services.fleet.identity import identity_of_creds
 from services.runtime.lifecycle import current_stop
 from services.runtime.settings import DEFAULT_WORKER_TTL_S, NatsAuth, Settings, nats_servers
 from services.runtime.tracing import inject_context
@@ -280,8 +282,11 @@ def local_network_hint(errno: int | None, platform: str) -> str:
 
 
 def _auth_options(auth: NatsAuth) -> dict[str, Any]:
+    # An identity's inbox is named after it (its creds file's JWT says which), a password
+    # user's after the user: the server lets each read its own only.
+    user = identity_of_creds(Path(auth.creds).read_text()) if auth.creds else auth.user
     try:
-        prefix = auth.inbox_prefix or inbox_prefix(auth.user)
+        prefix = auth.inbox_prefix or inbox_prefix(user)
     except InvalidId as exc:
         raise ConfigError(f"{exc}; set NATS_INBOX_PREFIX for this user") from None
     options: dict[str, Any] = {"inbox_prefix": prefix}

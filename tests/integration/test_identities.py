@@ -1,0 +1,407 @@
+"""One identity per person and per machine: nats-server runs the configuration
+``coordinator deploy render nats --jwt`` prints, and every service, person and machine connects
+with its own identity from ``coordinator invite``. None is added to the server, which is never
+restarted nor reloaded to let one in; a revoked one is cut off at once and refused after, a
+restart included; nobody reads another's inbox; a machine joins with its token alone, from a
+network namespace of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client
+
+from devtools.fakes.ollama import FakeOllama
+from devtools.servers import NatsServer
+from schemas.subjects import ROUTE, TASKS_STREAM, WORKERS, worker_consumer
+from services.cli.health import setup_streams
+from services.cli.identities import Store
+from services.fleet.identity import decode_token
+from services.runtime.settings import NatsAuth
+from tests.harness import (
+    COORDINATOR,
+    Processes,
+    ServiceRunner,
+    clean_env,
+    eventually,
+    request,
+    run_cli,
+    workers_live,
+)
+from tests.hosts import NetnsHost, netns_hosts, netns_unavailable
+
+MODEL = "qwen2.5:0.5b"
+
+
+class Fleet:
+    """A nats-server with decentralised authentication, and the operator's identity store."""
+
+    def __init__(self, tmp: Path, server: NatsServer, store: Store) -> None:
+        self.tmp = tmp
+        self.server = server
+        self.store = store
+
+    def creds(self, role: str, name: str) -> Path:
+        """A new identity's .creds file, as `coordinator invite` makes it."""
+        identity, creds = self.store.invite(role, name)
+        path = self.tmp / f"{identity}.creds"
+        path.write_text(creds)
+        return path
+
+    def cli_env(self, **extra: str) -> dict[str, str]:
+        return clean_env(
+            NATS_URL=self.server.url, COORDINATOR_IDENTITIES=str(self.store.path), **extra
+        )
+
+
+@pytest.fixture
+def fleet() -> Iterator[Fleet]:
+    with tempfile.TemporaryDirectory(prefix="coord-ids-") as name:
+        tmp = Path(name)
+        store = Store(tmp / "identities")
+        rendered = run_cli(
+            "deploy",
+            "render",
+            "nats",
+            "--jwt",
+            env=clean_env(COORDINATOR_IDENTITIES=str(store.path)),
+        )
+        assert rendered.returncode == 0, rendered.stderr
+        conf = rendered.stdout
+        assert conf.count("/var/lib/nats") == 2  # JetStream's store and the resolver's
+        conf = conf.replace("/var/lib/nats", str(tmp / "data"))
+        conf = conf.replace("http: 127.0.0.1:8222", "http: 127.0.0.1:0")
+        (tmp / "nats-server.conf").write_text(conf)
+        # No password anywhere: the server's environment adds nothing.
+        server = NatsServer(
+            str(tmp / "data" / "jetstream"),
+            config=str(tmp / "nats-server.conf"),
+            listen="0.0.0.0",
+        ).start()
+        try:
+            yield Fleet(tmp, server, store)
+        finally:
+            server.stop()
+
+
+class Errors:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def record(self, exc: Exception) -> None:
+        self.seen.append(str(exc).lower())
+
+
+async def connect_as(fleet: Fleet, creds: Path, errors: Errors | None = None) -> Client:
+    """Connect as an identity, with the inbox the services use (`services.runtime.bus`)."""
+    from schemas.subjects import inbox_prefix
+    from services.fleet.identity import identity_of_creds
+
+    options: dict[str, Any] = {
+        "user_credentials": str(creds),
+        "inbox_prefix": inbox_prefix(identity_of_creds(await asyncio.to_thread(creds.read_text))),
+        "allow_reconnect": False,
+    }
+    if errors is not None:
+        options["error_cb"] = errors.record
+    return await nats.connect(fleet.server.url, **options)
+
+
+@pytest.fixture
+async def ready(fleet: Fleet) -> Fleet:
+    """Streams and buckets made by an operator's identity (`coordinator setup`)."""
+    operator = fleet.creds("operator", "ops")
+    await setup_streams(
+        fleet.server.url,
+        worker_ttl_s=3.0,
+        events_max_age_s=0.0,
+        auth=NatsAuth(creds=str(operator)),
+    )
+    return fleet
+
+
+def run_services(fleet: Fleet, runner: ServiceRunner, ollama_url: str, worker: str) -> None:
+    """The router and one worker, each as its own identity, invited after the server started."""
+    runner.router(fleet.server.url, nats_creds=str(fleet.creds("router", "r1")))
+    runner.worker(
+        fleet.server.url, ollama_url, worker, nats_creds=str(fleet.creds("worker", worker))
+    )
+
+
+async def ask(nc: Client, prompt: str, **extra: Any) -> dict[str, Any]:
+    async def answered() -> dict[str, Any] | None:
+        try:
+            body, _ = await request(
+                nc, ROUTE, {"prompt": prompt, "model": MODEL, "wait": True, **extra}, 10.0
+            )
+        except nats.errors.Error:
+            return None  # the router is still starting
+        return body if body.get("status") == "done" else None
+
+    reply: dict[str, Any] = await eventually(answered, timeout_s=30.0, interval_s=0.3)
+    return reply
+
+
+async def test_every_service_and_person_works_under_an_identity_added_without_a_restart(
+    ready: Fleet, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    pid = ready.server.proc.pid if ready.server.proc else None
+    conf_before = (ready.tmp / "nats-server.conf").read_bytes()
+    run_services(ready, runner, ollama.url, "cpu1")
+    alice = await connect_as(ready, ready.creds("client", "alice"))
+    try:
+        reply = await ask(alice, "1+1?")
+        assert reply["worker"] == "cpu1"
+        assert reply["response"]
+    finally:
+        await alice.close()
+    # The server took three new identities as it was: same process, same file, no reload.
+    assert ready.server.proc is not None and ready.server.proc.pid == pid
+    assert ready.server.proc.poll() is None
+    assert (ready.tmp / "nats-server.conf").read_bytes() == conf_before
+
+
+async def test_nobody_reads_another_identitys_inbox(
+    ready: Fleet, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    run_services(ready, runner, ollama.url, "cpu1")
+    bob = await connect_as(ready, ready.creds("client", "bob"))
+    errors = Errors()
+    spy = await connect_as(ready, ready.creds("client", "mallory"), errors)
+    seen: list[bytes] = []
+
+    async def keep(msg: Any) -> None:
+        seen.append(msg.data)
+
+    try:
+        # Bob's inbox, and the inbox every client shared under the password configuration.
+        for subject in ("_INBOX_bob.>", "_INBOX_client.>", "_INBOX.>", ">"):
+            await spy.subscribe(subject, cb=keep)
+        await spy.flush()
+        reply = await ask(bob, "a secret of bob's")
+        assert reply["response"]
+        body, _ = await request(bob, WORKERS, {}, 5.0)
+        assert body["workers"]
+        await asyncio.sleep(0.5)
+        assert seen == []
+        for subject in ("_INBOX_bob.>", "_INBOX_client.>", "_INBOX.>", ">"):
+            assert any(
+                "permissions violation" in e and subject.lower() in e for e in errors.seen
+            ), (subject, errors.seen)
+    finally:
+        await bob.close()
+        await spy.close()
+
+
+async def test_a_worker_identity_cannot_use_another_workers_queue(ready: Fleet) -> None:
+    admin = await connect_as(ready, ready.creds("operator", "admin2"))
+    await admin.jetstream().add_consumer(
+        TASKS_STREAM, durable_name=worker_consumer("gpu1"), filter_subject="tasks.*.gpu1"
+    )
+    await admin.close()
+    errors = Errors()
+    nc = await connect_as(ready, ready.creds("worker", "cpu1"), errors)
+    try:
+        js = nc.jetstream()
+        with pytest.raises(nats.errors.Error):
+            sub = await js.pull_subscribe_bind(worker_consumer("gpu1"), stream=TASKS_STREAM)
+            await sub.fetch(1, timeout=1)
+        await nc.flush()
+        assert any("permissions violation" in e for e in errors.seen), errors.seen
+    finally:
+        await nc.close()
+
+
+async def test_a_revoked_identity_is_cut_off_within_seconds_and_refused_after_a_restart(
+    ready: Fleet,
+) -> None:
+    creds = ready.creds("client", "carol")
+    other = await connect_as(ready, ready.creds("client", "dave"))
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    carol = await nats.connect(
+        ready.server.url,
+        user_credentials=str(creds),
+        inbox_prefix="_INBOX_carol",
+        allow_reconnect=False,
+        closed_cb=on_closed,
+    )
+    started = time.monotonic()
+    revoked = await asyncio.to_thread(run_cli, "revoke", "carol", env=ready.cli_env())
+    assert revoked.returncode == 0, revoked.stderr
+    await asyncio.wait_for(closed.wait(), timeout=5.0)
+    assert carol.is_closed
+    cut_after_s = time.monotonic() - started
+    print(f"carol cut off {cut_after_s:.2f} s after `coordinator revoke` began")
+    assert other.is_connected  # only carol
+
+    async def refused() -> None:
+        nc = Client()  # kept, to close its socket: a refused connect leaves it open
+        try:
+            with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+                await nc.connect(
+                    ready.server.url,
+                    user_credentials=str(creds),
+                    allow_reconnect=False,
+                    max_reconnect_attempts=0,
+                )
+        finally:
+            await nc.close()
+
+    await refused()
+    await other.close()
+    ready.server.stop()
+    ready.server.start()
+    await refused()  # the resolver kept the revocation
+    # A new identity by the same name is a new key: it gets in.
+    again = ready.tmp / "carol-again.creds"
+    invited = run_cli("invite", "client", "carol", env=ready.cli_env())
+    assert invited.returncode == 0, invited.stderr
+    again.write_text(decode_token(invited.stdout.strip()).creds)
+    nc = await connect_as(ready, again)
+    await nc.close()
+
+
+def test_revoking_an_unknown_identity_and_inviting_one_twice_say_so(ready: Fleet) -> None:
+    unknown = run_cli("revoke", "nobody", env=ready.cli_env())
+    assert unknown.returncode == 1
+    assert "not_found" in unknown.stderr and "nobody" in unknown.stderr
+    assert run_cli("invite", "worker", "gpu9", env=ready.cli_env()).returncode == 0
+    twice = run_cli("invite", "worker", "gpu9", env=ready.cli_env())
+    assert twice.returncode == 1
+    assert "coordinator revoke worker-gpu9" in twice.stderr
+    bad = run_cli("invite", "client", "worker-x", env=ready.cli_env())
+    assert bad.returncode == 2 and "reads as a role" in bad.stderr
+
+
+def test_join_refuses_what_is_not_a_token_and_a_revoked_one(
+    ready: Fleet, tmp_path: Path, ollama: FakeOllama
+) -> None:
+    garbage = run_cli("join", "hello", "--dir", str(tmp_path), env=clean_env())
+    assert garbage.returncode == 2 and "not a join token" in garbage.stderr
+    token = run_cli(
+        "invite", "worker", "old", "--server", ready.server.url, env=ready.cli_env()
+    ).stdout.strip()
+    tampered = token[:-8] + ("A" * 8 if not token.endswith("A" * 8) else "B" * 8)
+    broken = run_cli("join", tampered, "--dir", str(tmp_path), env=clean_env())
+    assert broken.returncode == 2, broken.stderr
+    assert run_cli("revoke", "worker-old", env=ready.cli_env()).returncode == 0
+    refused = run_cli(
+        "join", token, "--dir", str(tmp_path), "--backend", ollama.url, env=clean_env()
+    )
+    assert refused.returncode == 1
+    assert "does not take worker-old" in refused.stderr
+
+
+def test_a_worker_joining_with_a_backend_that_does_not_answer_is_told(
+    ready: Fleet, tmp_path: Path
+) -> None:
+    token = run_cli(
+        "invite", "worker", "lonely", "--server", ready.server.url, env=ready.cli_env()
+    ).stdout.strip()
+    joined = run_cli(
+        "join", token, "--dir", str(tmp_path), "--backend", "http://127.0.0.1:9", env=clean_env()
+    )
+    assert joined.returncode == 1
+    assert "model server at http://127.0.0.1:9 does not answer" in joined.stderr
+
+
+@pytest.fixture
+def host() -> Iterator[NetnsHost]:
+    why = netns_unavailable()
+    if why is not None:
+        pytest.skip(f"no test hosts: {why}")
+    with netns_hosts(1) as hosts:
+        yield hosts[0]
+
+
+HOST_OLLAMA_PORT = 11441
+
+
+async def test_a_machine_joins_with_its_token_alone_and_runs_a_task(
+    ready: Fleet, host: NetnsHost, runner: ServiceRunner, processes: Processes
+) -> None:
+    runner.router(ready.server.url, nats_creds=str(ready.creds("router", "r1")))
+    # The operator invites the machine, naming the fleet as that machine reaches it.
+    invited = run_cli(
+        "invite",
+        "worker",
+        "far",
+        "--gpu",
+        "--server",
+        f"nats://{host.gateway_ip}:{ready.server.port}",
+        env=ready.cli_env(),
+    )
+    assert invited.returncode == 0, invited.stderr
+    token = invited.stdout.strip()
+    assert "\n" not in token
+
+    # On the new machine: its model server, then `coordinator join` with the token alone.
+    processes.start(
+        host.command(
+            sys.executable,
+            *("-m", "devtools.fakes.ollama", "--host", "127.0.0.1"),
+            *("--port", str(HOST_OLLAMA_PORT), "--models", MODEL),
+        ),
+        clean_env(),
+    )
+    settings = ready.tmp / "far-machine"
+    backend = f"http://127.0.0.1:{HOST_OLLAMA_PORT}"
+
+    async def joined() -> Any:
+        done = await asyncio.to_thread(
+            lambda: subprocess.run(
+                host.command(
+                    COORDINATOR, "join", token, "--dir", str(settings), "--backend", backend
+                ),
+                env=clean_env(),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        )
+        return done if "model server" not in done.stderr else None  # its backend starting
+
+    done = await eventually(joined, timeout_s=20.0, interval_s=0.5)
+    assert done.returncode == 0, done.stderr
+    # Not root-with-systemd here: the unit is printed, with how to start it.
+    assert "coordinator-worker@.service" in done.stdout
+    assert "systemctl enable --now coordinator-worker@far.service" in done.stdout
+    env_file = settings / "worker-far.env"
+    for path in (env_file, settings / "worker-far.creds"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE(settings.stat().st_mode) == 0o700
+    written = env_file.read_text()
+    assert f"NATS_URL=nats://{host.gateway_ip}:{ready.server.port}" in written
+    assert "WORKER_SUPPORTS=gpu_inference" in written
+    assert "PASSWORD" not in written
+
+    # What the unit runs: the settings file, the instance's WORKER_ID, `coordinator worker`.
+    processes.start(
+        host.command(
+            "sh", "-c", f'set -a; . "{env_file}"; set +a; WORKER_ID=far exec {COORDINATOR} worker'
+        ),
+        clean_env(),
+    )
+    alice = await connect_as(ready, ready.creds("client", "alice"))
+    try:
+        await workers_live(alice, 1, timeout_s=30)
+        reply = await ask(alice, "from far away", worker="far")
+        assert reply["worker"] == "far"
+    finally:
+        await alice.close()
