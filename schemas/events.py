@@ -41,6 +41,10 @@ class TaskSubmitted(Event, frozen=True, kw_only=True, tag="submitted"):
     timeout_s: float
     client: str | None = None
     """The gateway key the task came in with (`schemas.route.RouteRequest.client`)."""
+    asker: str | None = None
+    """The identity that asked: whose inbox the route request's reply subject was
+    (`services.fleet.identity.asker_of`); None in a fleet without identities. With ``client``,
+    who the task belongs to: who may read, follow and cancel it."""
 
 
 class TaskRouted(Event, frozen=True, kw_only=True, tag="routed"):

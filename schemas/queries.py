@@ -12,6 +12,8 @@ from schemas.route import ErrorDetail, TaskStatus, TaskType
 
 class TaskQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
     task_id: str
+    client: str | None = None
+    """The gateway key the question came in with: heeded from a gateway only."""
 
 
 class TaskView(Wire, frozen=True, kw_only=True):
@@ -39,7 +41,9 @@ class TaskView(Wire, frozen=True, kw_only=True):
 
 
 class WorkersQuery(Wire, frozen=True, kw_only=True):
-    pass
+    client: str | None = None
+    """The gateway key the question came in with: heeded from a gateway only. A running
+    task's id shows only to its owner and the operator."""
 
 
 class WorkerView(Wire, frozen=True, kw_only=True):

@@ -296,6 +296,8 @@ class CancelRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True)
     task_id: str | None = None
     reply_to: str | None = None
     reason: str = ""
+    client: str | None = None
+    """The gateway key the cancel came in with: heeded from a gateway only."""
 
 
 class CancelNotice(Wire, frozen=True, kw_only=True):

@@ -52,6 +52,10 @@ CREATE INDEX IF NOT EXISTS tasks_model_created_idx ON tasks (model, created_at);
 
 -- Added after the first release; a rebuild fills it for old tasks.
 ALTER TABLE tasks ADD COLUMN IF NOT EXISTS first_token_ms double precision;
+-- Who asked (the identity, and the gateway key): who may read the task. NULL in tasks asked
+-- without identities, which anyone may read.
+ALTER TABLE tasks ADD COLUMN IF NOT EXISTS asker text;
+ALTER TABLE tasks ADD COLUMN IF NOT EXISTS client text;
 
 -- Replaced by `outcomes` + `figures` (p50/p95 need the durations, not sums). Derived data:
 -- `coordinator stats rebuild` recomputes everything from the event log.

@@ -13,11 +13,11 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 
-from schemas.subjects import InvalidId, check_token, check_worker_id
+from schemas.subjects import INBOX, InvalidId, check_token, check_worker_id
 from services.errors import ConfigError
 
 # The roles an identity can have (services/cli/permissions.py gives each its permissions), and
@@ -51,7 +51,7 @@ def identity_name(role: str, name: str) -> str:
         raise ConfigError(str(exc)) from None
     if role != PERSON:
         return f"{ROLE_PREFIXES[role]}-{name}"
-    if name in ROLES or any(name.startswith(f"{p}-") for p in ROLE_PREFIXES.values()):
+    if name in (*ROLES, "admin") or any(name.startswith(f"{p}-") for p in ROLE_PREFIXES.values()):
         raise ConfigError(
             f"a person's name {name!r} reads as a role's identity: choose another "
             f"(not a role, nor starting with {', '.join(f'{p}-' for p in ROLE_PREFIXES.values())})"
@@ -59,9 +59,60 @@ def identity_name(role: str, name: str) -> str:
     return name
 
 
-def is_operator(identity: str) -> bool:
-    """Whether an identity is the fleet's operator's (``operator``, ``operator-<name>``)."""
-    return identity == "operator" or identity.startswith(f"{ROLE_PREFIXES['operator']}-")
+def is_operator(identity: str | None) -> bool:
+    """Whether an identity is the fleet's operator's (``operator-<name>``; ``operator`` and
+    ``admin``, the users of the configuration with passwords)."""
+    if identity is None:
+        return False
+    return identity in ("operator", "admin") or identity.startswith(f"{ROLE_PREFIXES['operator']}-")
+
+
+def is_gateway(identity: str | None) -> bool:
+    """Whether an identity is an HTTP gateway's, which asks for the people its keys name."""
+    if identity is None:
+        return False
+    return identity == "gateway" or identity.startswith(f"{ROLE_PREFIXES['gateway']}-")
+
+
+def asker_of(reply: str | None) -> str | None:
+    """The identity a request came from, by its reply subject: ``_INBOX_<identity>.…``, the
+    inbox only that identity may read (`schemas.subjects.inbox_prefix`); None for a plain
+    ``_INBOX.…`` (a fleet without identities) or no reply at all."""
+    if not reply or not reply.startswith(f"{INBOX}_"):
+        return None
+    name = reply[len(INBOX) + 1 :].split(".", 1)[0]
+    return name or None
+
+
+class Owner(NamedTuple):
+    """Who asked for a task, or who asks about one: the identity whose inbox the request
+    came from and, through a gateway, the key it came in with. Only a gateway speaks for its
+    keys; on a bus without identities, whoever asks does (nothing there proves who asks, and
+    the gateway's keys still keep its HTTP clients apart)."""
+
+    asker: str | None
+    client: str | None = None
+
+    @classmethod
+    def of(cls, asker: str | None, client: str | None) -> Owner:
+        return cls(asker, client if asker is None or is_gateway(asker) else None)
+
+    @classmethod
+    def asking(cls, reply: str | None, client: str | None = None) -> Owner:
+        """Who sent a request, from its reply subject and the key a gateway named."""
+        return cls.of(asker_of(reply), client)
+
+
+def may_see(task: Owner, viewer: Owner) -> bool:
+    """Whether ``viewer`` may read, follow or cancel a task ``task`` asked for: the operator
+    always; for a task that came in with a gateway's key, whoever speaks for that key; else
+    the identity that asked. A task asked with neither (a fleet without identities, an open
+    gateway) is anyone's."""
+    if is_operator(viewer.asker):
+        return True
+    if task.client is not None:
+        return viewer.client == task.client
+    return task.asker is None or viewer.asker == task.asker
 
 
 _JWT_BEGIN: Final = "-----BEGIN NATS USER JWT-----"

@@ -175,14 +175,16 @@ class FleetBus:
         return reply
 
     async def cancel_abandoned(
-        self, inbox: str, queue: asyncio.Queue[Msg], task_id: str | None
+        self, inbox: str, queue: asyncio.Queue[Msg], task_id: str | None, client: str | None
     ) -> None:
         """The client went away: cancel its task, by id when the id came, else by the route
-        request's reply subject (tried a few times: the router may not have taken it yet)."""
+        request's reply subject (tried a few times: the router may not have taken it yet).
+        ``client``: the key the task came in with, whose task it is."""
         cancel = CancelRequest(
             task_id=task_id,
             reply_to=None if task_id else inbox,
             reason="the HTTP client disconnected",
+            client=client,
         )
         try:
             for attempt in range(CANCEL_TRIES):

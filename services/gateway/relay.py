@@ -148,7 +148,9 @@ class Relay:
             status = 499  # nginx's "client closed request", for the log line only
             if opened:
                 inbox, queue = opened[-1]
-                self.tasks.spawn(self.bus.cancel_abandoned(inbox, queue, task_id), name="cancel")
+                self.tasks.spawn(
+                    self.bus.cancel_abandoned(inbox, queue, task_id, route.client), name="cancel"
+                )
                 handed_over = inbox
             raise
         finally:

@@ -327,7 +327,7 @@ class Gateway:
 
     async def task(self, request: web.Request) -> web.Response:
         """``GET /task/{id}``: the task as the stats service knows it."""
-        query = TaskQuery(task_id=request.match_info["task_id"])
+        query = TaskQuery(task_id=request.match_info["task_id"], client=client_of(request))
         try:
             reply = await self.bus.call(TASK, _encoder.encode(query), QUERY_TIMEOUT_S)
         except ApiError as exc:

@@ -22,8 +22,11 @@ from schemas.events import encoder
 from schemas.route import CancelNotice, CancelReply
 from schemas.subjects import InvalidId, cancel_notice
 from services.errors import BadRequest, NotFound
+from services.fleet.identity import Owner, is_operator, may_see
+from services.router.following import task_owner
 from services.router.peers import Peers
 from services.router.requests import parse_cancel_request
+from services.runtime.endpoints import reply_subject
 from services.runtime.outcomes import current_attempt, stored_outcome
 
 log = structlog.get_logger("router")
@@ -52,11 +55,17 @@ class Canceller:
         not taken it yet fails it unrun when it does. Refused for a task no router knows as
         queued or running (it has ended, or is unknown)."""
         request = parse_cancel_request(body)
+        viewer = Owner.asking(reply_subject.get(), request.client)
         if request.task_id is None:
             # A reply subject is held a moment after its answer (`services.router.waiting`):
-            # its task may have ended.
+            # its task may have ended. Only whoever may read that reply may cancel by it.
             task_id = await self.peers.holder_of(reply_to=request.reply_to)
-            if task_id is None or not await self._under_way(task_id):
+            asked_by = Owner.asking(request.reply_to, request.client)
+            if (
+                task_id is None
+                or not may_see(asked_by, viewer)
+                or not await self._under_way(task_id)
+            ):
                 raise NotFound(f"no route request waits on {request.reply_to} (it was answered)")
         else:
             task_id = request.task_id
@@ -64,7 +73,7 @@ class Canceller:
                 cancel_notice(task_id)
             except InvalidId as exc:
                 raise BadRequest(str(exc)) from None
-            if not await self._under_way(task_id):
+            if not await self._may_cancel(task_id, viewer) or not await self._under_way(task_id):
                 raise NotFound(
                     f"task {task_id} is not queued or running (it has ended, or is unknown)"
                 )
@@ -74,6 +83,15 @@ class Canceller:
         )
         log.info("cancel requested", task_id=task_id, reason=request.reason)
         return encoder.encode(CancelReply(task_id=task_id, status="cancelling"))
+
+    async def _may_cancel(self, task_id: str, viewer: Owner) -> bool:
+        """Whether the task is ``viewer``'s to cancel, by its ``submitted`` (stored before it
+        is queued). One not stored yet (another router is submitting it this moment) is
+        cancelled only by the operator, or in a fleet without identities."""
+        if is_operator(viewer.asker):
+            return True
+        owner = await task_owner(self.js, task_id)
+        return viewer.asker is None if owner is None else may_see(owner, viewer)
 
     async def _under_way(self, task_id: str) -> bool:
         """Is the task queued or running: in this router's view, else by the event log (the

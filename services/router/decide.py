@@ -19,6 +19,7 @@ from schemas.workers import WorkerRecord
 from services.errors import BadRequest, NoWorker, UnsupportedCapability
 from services.fleet import policy
 from services.fleet.domains import classify_domain
+from services.fleet.identity import asker_of
 from services.router.view import FleetView
 
 
@@ -87,6 +88,8 @@ class Submission:
     submitted_at: float
     stream_subject: str | None
     """Where the chunks of a streamed answer go (the request's reply subject)."""
+    asker: str | None = None
+    """The identity that asked (`services.fleet.identity.asker_of` of the reply subject)."""
 
     @property
     def decision(self) -> policy.Decision:
@@ -127,4 +130,5 @@ def submission(
         timeout_s=request.timeout_s or default_timeout_s,
         submitted_at=now,
         stream_subject=stream_subject,
+        asker=asker_of(reply_to),
     )

@@ -26,7 +26,9 @@ from schemas.events import TaskCompleted, TaskFailed, TaskRouted, TaskSubmitted,
 from schemas.route import RouteReply, RouteRequest
 from schemas.subjects import task_event
 from schemas.tasks import is_retryable
+from services.errors import NotFound
 from services.fleet.binding import Supports, refusal
+from services.fleet.identity import Owner, may_see
 from services.router.ending import wait_for_end
 from services.router.peers import Peers
 from services.router.records import ended_reply, latest_outcome
@@ -53,6 +55,15 @@ async def stored(
     from the stream's leader with ``leader`` (`services.runtime.outcomes.last_stored`)."""
     data = await last_on(js, task_event(task_id, kind), leader=leader)
     return None if data is None else task_event_decoder.decode(data)
+
+
+async def task_owner(js: JetStreamContext, task_id: str) -> Owner | None:
+    """Who the task belongs to, by its ``submitted`` (stored before it is queued); None when
+    the log does not hold it (yet)."""
+    submitted = await stored(js, task_id, "submitted")
+    if not isinstance(submitted, TaskSubmitted):
+        return None
+    return Owner.of(submitted.asker, submitted.client)
 
 
 class Follower:
@@ -99,6 +110,11 @@ class Follower:
         submitted = await stored(self.js, task_id, "submitted", leader=leader)
         if not isinstance(submitted, TaskSubmitted):
             return UNSUBMITTED
+        if not may_see(
+            Owner.of(submitted.asker, submitted.client), Owner.asking(reply_to, request.client)
+        ):
+            # Another's task: answered as a task nobody has (no hint that it exists).
+            raise NotFound(f"no task '{task_id}'")
         if reply_to and await self.peers.holder_of(reply_to=reply_to) == task_id:
             log.info("asked again; another router answers it", task_id=task_id)
             return None

@@ -39,9 +39,11 @@ def workers_reply(
     now: float,
     ttl_s: float,
     settling: bool = False,
+    shown: Callable[[str], bool] = lambda _: True,
 ) -> WorkersReply:
     """The live workers by id, each with its queue depth and problems, and every alias with
-    the name it stands for."""
+    the name it stands for. A running task's id only where ``shown`` (its owner's, the
+    operator's)."""
     depth = view.depth()
     workers = [
         WorkerView(
@@ -50,7 +52,7 @@ def workers_reply(
             tier=policy.tier_label(r),
             models=r.models,
             state=r.state,
-            current_task=r.current_task,
+            current_task=r.current_task if r.current_task and shown(r.current_task) else None,
             current_model=r.current_model,
             last_heartbeat=r.heartbeat_at,
             queue_depth=depth.get(r.worker_id, 0),

@@ -27,6 +27,7 @@ def submitted_event(task: Submission) -> TaskSubmitted:
         requested_model=task.requested_model,
         timeout_s=task.timeout_s,
         client=request.client,
+        asker=task.asker,
         work=task.work,
     )
 

@@ -14,6 +14,7 @@ from typing import Any, Final
 import msgspec
 
 from schemas.models import EMBEDDING
+from schemas.queries import WorkersQuery
 from schemas.route import (
     MAX_TIMEOUT_S,
     CancelRequest,
@@ -153,6 +154,11 @@ def admit(
     routed = as_routed(asked, resolve(asked.model))
     check_size(max(len(body), len(_encoder.encode(routed))), max_payload)
     return Admitted(asked_model=asked.model, routed=routed)
+
+
+def parse_workers_query(body: bytes) -> WorkersQuery:
+    """Decode a workers query (an empty body is ``{}``)."""
+    return decode_body(body.strip() or b"{}", WorkersQuery, "workers query")
 
 
 def parse_cancel_request(body: bytes) -> CancelRequest:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextlib import suppress
 
 import msgspec
@@ -54,18 +54,19 @@ from services.errors import (
 )
 from services.fleet import liveness
 from services.fleet.binding import refusal
+from services.fleet.identity import Owner, is_operator, may_see
 from services.router.backlog import Backlog
 from services.router.cancelling import Canceller
 from services.router.decide import Plan, Submission, decide, submission
 from services.router.ending import recheck_ends
 from services.router.feeds import apply_figure, apply_sleeper
-from services.router.following import UNSUBMITTED, Follower, Unsubmitted
+from services.router.following import UNSUBMITTED, Follower, Unsubmitted, task_owner
 from services.router.listing import Problems, workers_reply
 from services.router.peers import Peers
 from services.router.reaper_watch import ReaperWatch
 from services.router.records import outcome_reply, queued_reply
 from services.router.relay import ChunkRelay
-from services.router.requests import Admitted, admit
+from services.router.requests import Admitted, admit, parse_workers_query
 from services.router.settings import RouterSettings
 from services.router.submit import AlreadySubmitted
 from services.router.submitting import WAIT_MARGIN_S, Submitter
@@ -266,6 +267,8 @@ class Router:
     # -- endpoints -----------------------------------------------------------------------------
 
     async def handle_workers(self, body: bytes) -> bytes:
+        query = parse_workers_query(body)
+        shown = await self._tasks_shown(Owner.asking(reply_subject.get(), query.client))
         now = time.time()
         reply = workers_reply(
             self.view,
@@ -275,8 +278,21 @@ class Router:
             now=now,
             ttl_s=self.settings.worker_ttl_s,
             settling=not self.registry.settled(now),
+            shown=shown,
         )
         return encoder.encode(reply)
+
+    async def _tasks_shown(self, viewer: Owner) -> Callable[[str], bool]:
+        """Which running tasks' ids ``viewer`` may see: all for the operator, else those whose
+        ``submitted`` says they are its own (one read each, at once)."""
+        if is_operator(viewer.asker):
+            return lambda _: True
+        running = sorted({r.current_task for r in self.view.workers.values() if r.current_task})
+        owners = await asyncio.gather(*(task_owner(self.js, t) for t in running))
+        mine = {
+            t for t, owner in zip(running, owners, strict=True) if owner and may_see(owner, viewer)
+        }
+        return mine.__contains__
 
     async def handle_route(self, body: bytes) -> bytes | None:
         """Decide where the task goes, submit it, and reply: at once (``queued``), or with

@@ -69,8 +69,10 @@ from schemas.subjects import (
 )
 from services.errors import Conflict, NotFound, RebuildBusy, Unavailable
 from services.fleet.aliases import check_alias
+from services.fleet.identity import Owner, may_see
 from services.runtime.bus import publish_event
-from services.runtime.endpoints import Handler
+from services.runtime.endpoints import Handler, reply_subject
+from services.stats.projection import to_view
 from services.stats.publisher import FigurePublisher
 from services.stats.rebuild import rebuild
 from services.stats.requests import check_exclusion, decode_request, new_id, parse_task_query
@@ -134,10 +136,12 @@ class StatsEndpoints:
         last = await self._last_event(query.task_id)
         if last is not None:
             await self._when_projected(lambda: self._applied(*last), what="task event")
-        view = await self.store.get_task(query.task_id)
-        if view is None:
+        state = await self.store.task_state(query.task_id)
+        viewer = Owner.asking(reply_subject.get(), query.client)
+        if state is None or not may_see(Owner.of(state.asker, state.client), viewer):
+            # Another's task is answered as one nobody has: no hint that it exists.
             raise NotFound(f"no task '{query.task_id}' (it may not be projected yet)")
-        return encoder.encode(view)
+        return encoder.encode(to_view(state))
 
     async def handle_stats(self, body: bytes) -> bytes:
         """``coordinator.stats``: the figures, exclusions left out, aliases applied."""

@@ -75,6 +75,9 @@ class TaskState:
     error_code: str | None = None
     error: str | None = None
     created_at: float
+    # Who asked (`schemas.events.TaskSubmitted.asker`, ``client``): who may read it.
+    asker: str | None = None
+    client: str | None = None
     started_at: float | None = None
     ended_at: float | None = None
 
@@ -250,6 +253,8 @@ def _submitted(state: TaskState | None, event: TaskSubmitted) -> TaskState:
             task_type=event.work.task_type,
             prompt=event.work.prompt,
             created_at=event.at,
+            asker=event.asker,
+            client=event.client,
         )
     # Late (after a placeholder) or duplicate: fill in what `submitted` owns, nothing else.
     filled = dataclasses.replace(
@@ -259,6 +264,8 @@ def _submitted(state: TaskState | None, event: TaskSubmitted) -> TaskState:
         task_type=event.work.task_type,
         prompt=event.work.prompt,
         created_at=event.at,
+        asker=event.asker,
+        client=event.client,
     )
     return state if filled == state else filled
 

@@ -29,7 +29,6 @@ import structlog
 from asyncpg import Record
 
 from schemas.events import AnyEvent
-from schemas.queries import TaskView
 from schemas.stats import (
     PARKED_LISTED,
     AliasView,
@@ -42,7 +41,7 @@ from schemas.subjects import EVENTS_STREAM
 from services.errors import Unavailable, Unstorable
 from services.fleet.aliases import resolve
 from services.stats.figure_rows import FIGURE_COLUMNS, NOT_EXCLUDED, refresh_figures
-from services.stats.projection import TaskState, to_view
+from services.stats.projection import TaskState
 from services.stats.projector import Item, Projected, item_for, load_aliases, park, project
 from services.stats.rows import (
     PROJECTION_LOCK,
@@ -228,11 +227,6 @@ class Store:
                 await refresh_figures(conn, keys)
 
     # -- reads ---------------------------------------------------------------------------------
-
-    async def get_task(self, task_id: str) -> TaskView | None:
-        """The task as projected so far, or None if no event of it has been applied."""
-        state = await self.task_state(task_id)
-        return to_view(state) if state is not None else None
 
     async def task_state(self, task_id: str) -> TaskState | None:
         """The task's full row (prompt, host, attempt, start time included), or None."""

@@ -24,13 +24,13 @@ from structlog.testing import capture_logs
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer, free_port
 from schemas.route import RouteRequest
-from schemas.subjects import GATEWAY_KEYS_BUCKET, ROUTE
+from schemas.subjects import GATEWAY_KEYS_BUCKET, ROUTE, TASK
 from services.errors import ConfigError
 from services.gateway.keys import Priority, make_record, new_key, record_encoder
 from services.gateway.service import run as run_gateway
 from services.gateway.settings import GatewaySettings
 from services.runtime.bus import ensure_bucket
-from tests.harness import ServiceRunner, clean_env, eventually, run_cli, workers_live
+from tests.harness import ServiceRunner, clean_env, eventually, request, run_cli, workers_live
 from tests.integration.test_gateway import PLAIN, start_gateway
 
 # Short limits, so that a slow client is seen off within a test's patience.
@@ -414,3 +414,39 @@ async def test_a_keyed_gateway_bounds_slow_clients_before_the_key_is_checked(
     received, took = await until_closed(reader, limit_s=5)
     writer.close()
     assert received == b"" and took < 2.0
+
+
+async def test_a_keys_task_is_read_and_followed_with_that_key_only(
+    nats_server: NatsServer, nc: Client, pg_dsn: str, runner: ServiceRunner
+) -> None:
+    alice, bob = await add_key(nc, "alice"), await add_key(nc, "bob")
+    runner.stats(nats_server.url, pg_dsn)
+    async with (
+        fleet(nats_server, nc, runner) as url,
+        httpx.AsyncClient(base_url=url, timeout=10, headers=bearer(alice)) as as_alice,
+        httpx.AsyncClient(base_url=url, timeout=10, headers=bearer(bob)) as as_bob,
+    ):
+        asked = await as_alice.post("/route", json={"prompt": "p", "model": PLAIN, "wait": True})
+        assert asked.status_code == 200, asked.text
+        task_id = asked.json()["task_id"]
+
+        async def projected() -> httpx.Response | None:
+            reply = await as_alice.get(f"/task/{task_id}")
+            return reply if reply.status_code == 200 else None
+
+        assert (await eventually(projected, timeout_s=20.0)).json()["status"] == "done"
+        # Another key is told what a task nobody has gets.
+        read = await as_bob.get(f"/task/{task_id}")
+        unknown = await as_bob.get("/task/no-such-task")
+        assert (read.status_code, read.json()["error"]["code"]) == (404, "not_found")
+        assert read.json()["error"]["message"].replace(task_id, "X") == unknown.json()["error"][
+            "message"
+        ].replace("no-such-task", "X")
+        follow = {"prompt": "p", "model": PLAIN, "wait": True, "task_id": task_id}
+        followed = await as_bob.post("/route", json=follow)
+        assert (followed.status_code, followed.json()["error"]["code"]) == (404, "not_found")
+        mine = await as_alice.post("/route", json=follow)
+        assert mine.status_code == 200 and mine.json()["task_id"] == task_id
+        # Nor through the bus, where nothing proves who asks but a key a request names.
+        body, headers = await request(nc, TASK, {"task_id": task_id})
+        assert headers.get("Nats-Service-Error-Code") == "not_found", body

@@ -302,7 +302,7 @@ async def test_a_lost_database_connection_loses_no_event(
         assert applied
         assert not await store.apply(2, events[1])
 
-        view = await store.get_task("t-lost")
+        view = await store.task_state("t-lost")
     assert view is not None
     assert (view.status, view.worker) == ("queued", "mac")
 
@@ -391,7 +391,7 @@ async def test_an_undecodable_event_is_terminated_and_does_not_block_the_stream(
         with capture_logs(processors=[merge_contextvars]) as logs:
             async with running_stats(nc, settings_for(nats_server, pg_dsn)):
                 await eventually(lambda: all_acked(js, last), what="every event to be acked")
-        view = await store.get_task("t-after")
+        view = await store.task_state("t-after")
         tracked = [r["stream_seq"] for r in await rows(pg_dsn, "projection_tracking")]
 
     assert view is not None
@@ -426,7 +426,7 @@ async def test_events_wait_unacked_while_the_database_fails_and_are_applied_afte
                     await eventually(lambda: all_acked(js, last), what="the retry to be acked")
         finally:
             await admin.close()
-        view = await store.get_task("t-outage")
+        view = await store.task_state("t-outage")
         figures = await store.figures()
 
     assert info.ack_floor is not None

@@ -18,6 +18,8 @@ from services.cli.permissions import role_permissions
 from services.errors import ConfigError, Conflict, NotFound
 from services.fleet.identity import (
     JoinToken,
+    Owner,
+    asker_of,
     claims_of,
     creds_text,
     decode_token,
@@ -26,6 +28,7 @@ from services.fleet.identity import (
     identity_of_creds,
     is_operator,
     jwt_of_creds,
+    may_see,
 )
 
 
@@ -158,3 +161,42 @@ def test_the_store_keeps_its_secrets_private_and_signs_later_each_time(tmp_path:
     assert again == "alice"
     with pytest.raises(Conflict, match="revoke alice"):
         store.invite("client", "alice")
+
+
+def test_who_asked_is_read_from_the_inbox_a_request_replies_to() -> None:
+    assert asker_of("_INBOX_alice.abc.1") == "alice"
+    assert asker_of("_INBOX_worker-gpu1.x") == "worker-gpu1"
+    assert asker_of("_INBOX.abc.1") is None  # a fleet without identities
+    assert asker_of("") is None and asker_of(None) is None
+    assert asker_of("somewhere.else") is None
+    # A key a gateway names counts; one anybody else names does not.
+    assert Owner.asking("_INBOX_gateway-a.1", "key-a") == Owner("gateway-a", "key-a")
+    assert Owner.asking("_INBOX_bob.1", "key-a") == Owner("bob", None)
+    assert Owner.asking("_INBOX.1", "key-a") == Owner(None, "key-a")  # nobody proves otherwise
+
+
+@pytest.mark.parametrize(
+    ("task", "viewer", "sees"),
+    [
+        (Owner("alice"), Owner("alice"), True),
+        (Owner("alice"), Owner("bob"), False),
+        (Owner("alice"), Owner(None), False),  # a reply to the shared inbox reads nothing
+        (Owner("alice"), Owner("operator-ann"), True),
+        (Owner("alice"), Owner("admin"), True),
+        (Owner("alice"), Owner("worker-gpu1"), False),
+        (Owner(None), Owner("bob"), True),  # asked without identities: anyone's
+        (Owner("gateway", "key-a"), Owner("gateway-2", "key-a"), True),  # any gateway, same key
+        (Owner("gateway", "key-a"), Owner("gateway", "key-b"), False),
+        (Owner("gateway", "key-a"), Owner("gateway", None), False),
+        (Owner("gateway", None), Owner("gateway", None), True),  # an open gateway's
+        (Owner("gateway", "key-a"), Owner("key-a"), False),  # a person named like the key
+        # A bus without identities: the gateway's keys still keep its clients apart.
+        (Owner(None, "key-a"), Owner(None, "key-b"), False),
+        (Owner(None, "key-a"), Owner(None, None), False),
+        (Owner(None, "key-a"), Owner(None, "key-a"), True),
+    ],
+)
+def test_a_task_is_seen_by_who_asked_and_the_operator_only(
+    task: Owner, viewer: Owner, sees: bool
+) -> None:
+    assert may_see(task, viewer) is sees
