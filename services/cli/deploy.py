@@ -25,7 +25,7 @@ from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
 from services.cli.cluster import render_cluster_conf
 from services.cli.health import check_health, setup_streams
 from services.cli.identities import Store, default_store
-from services.cli.permissions import render_nats_conf
+from services.cli.permissions import NATS_STORE_DIR, render_nats_conf
 from services.cli.roles import PER_WORKER, SERVICE_ROLES
 from services.cli.settings import MAX_REPLICAS, SetupSettings, check_replicas
 from services.cli.units import read_env_file, render_launchd, render_systemd
@@ -96,6 +96,12 @@ def register(sub: Any) -> None:
         help="every node of the cluster, this one included (cluster port 6222 by default)",
     )
     nats.add_argument("--node", metavar="HOST", help="the node whose configuration to print")
+    nats.add_argument(
+        "--store-dir",
+        type=Path,
+        default=None,
+        help="where the server keeps its data (default /var/lib/nats, the container's)",
+    )
     nats.add_argument(
         "--jwt",
         action="store_true",
@@ -175,6 +181,14 @@ def cmd_render_launchd(args: argparse.Namespace) -> int:
 
 
 def cmd_render_nats(args: argparse.Namespace) -> int:
+    conf = _nats_conf(args)
+    if args.store_dir is not None:
+        conf = conf.replace(NATS_STORE_DIR, str(args.store_dir.expanduser().absolute()))
+    print(conf, end="")
+    return 0
+
+
+def _nats_conf(args: argparse.Namespace) -> str:
     cluster_options = {"--cluster": args.cluster, "--routes": args.routes, "--node": args.node}
     given = [name for name, value in cluster_options.items() if value is not None]
     if args.jwt:
@@ -187,22 +201,16 @@ def cmd_render_nats(args: argparse.Namespace) -> int:
         if not store.exists():
             store.create()
             print(f"made the fleet's keys in {store.path} (keep it private)", file=sys.stderr)
-        print(store.server_conf(), end="")
-        return 0
+        return store.server_conf()
     if not given:
-        print(render_nats_conf(args.worker, args.web_worker), end="")
-        return 0
+        return render_nats_conf(args.worker, args.web_worker)
     if len(given) < len(cluster_options):
         missing = [name for name in cluster_options if name not in given]
         raise ConfigError(
             f"a cluster node's configuration needs --cluster, --routes and --node; "
             f"{', '.join(missing)} missing"
         )
-    print(
-        render_cluster_conf(args.cluster, args.routes, args.node, args.worker, args.web_worker),
-        end="",
-    )
-    return 0
+    return render_cluster_conf(args.cluster, args.routes, args.node, args.worker, args.web_worker)
 
 
 def _check_env_file(path: Path) -> dict[str, str]:

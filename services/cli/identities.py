@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -28,9 +29,11 @@ from services.errors import ConfigError, Conflict, NotFound, Unavailable
 from services.fleet.identity import (
     ROLES,
     JoinToken,
+    claims_of,
     creds_text,
     encode_token,
     identity_name,
+    jwt_of_creds,
 )
 from services.runtime.bus import connect
 from services.runtime.settings import NatsAuth, Settings, nats_servers
@@ -167,6 +170,35 @@ class Store:
             registry.identities[identity] = msgspec.structs.replace(known, revoked_at=issued_at)
         self._save(registry)
         return keys.fleet_jwt(revocations(registry), issued_at)
+
+
+def own_identities(
+    store: Store, directory: Path, wanted: Iterable[tuple[str, str]]
+) -> dict[str, Path]:
+    """A ``.creds`` file in ``directory`` for each (role, name) of ``wanted``, by role: the one
+    kept there from before while the store still knows it as valid, else a new identity
+    (`ConfigError` if the store holds a valid one by that name whose creds are not here)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    found: dict[str, Path] = {}
+    for role, name in wanted:
+        identity = identity_name(role, name)
+        path = directory / f"{identity}.creds"
+        known = store.registry().identities.get(identity)
+        if known is not None and known.revoked_at is None:
+            if not path.is_file() or _subject(path.read_text()) != known.public_key:
+                raise ConfigError(
+                    f"{identity} exists but its credentials are not in {directory}: "
+                    f"`coordinator revoke {identity}`, then start again"
+                )
+        else:
+            _, creds = store.invite(role, name)
+            _write_private(path, creds.encode())
+        found[role] = path
+    return found
+
+
+def _subject(creds: str) -> object:
+    return claims_of(jwt_of_creds(creds)).get("sub")
 
 
 def revocations(registry: _Registry) -> dict[str, int]:

@@ -66,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up", help="run the whole stack on this machine (embedded NATS and PostgreSQL when unset)"
     )
+    up.add_argument(
+        "--identities",
+        nargs="?",
+        type=Path,
+        const=Path(),
+        default=None,
+        metavar="DIR",
+        help="each service its own identity, from the fleet's keys (DIR; default "
+        "$COORDINATOR_IDENTITIES or ~/.config/coordinator/identities), on NATS_URL",
+    )
     up.set_defaults(func=cmd_up)
 
     for name, helptext in (
@@ -179,9 +189,13 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from services.cli.identities import default_store
     from services.cli.stack import up
 
-    return up()
+    identities = args.identities
+    if identities == Path():
+        identities = default_store()
+    return up(identities)
 
 
 # -- client commands ----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any, Final
 import nkeys
 
 from services.cli.permissions import (
+    NATS_STORE_DIR,
     RESPONSES_EXPIRE_S,
     Permissions,
     render_server_conf,
@@ -39,7 +40,7 @@ USER: Final = nkeys.PREFIX_BYTE_USER
 SYSTEM_ACCOUNT_NAME: Final = "SYS"
 FLEET_ACCOUNT_NAME: Final = "FLEET"
 # The resolver keeps the accounts' JWTs (a revocation pushed later included) beside JetStream.
-RESOLVER_DIR: Final = "/var/lib/nats/jwt"
+RESOLVER_DIR: Final = f"{NATS_STORE_DIR}/jwt"
 _HEADER: Final = {"typ": "JWT", "alg": "ed25519-nkey"}
 _NO_LIMIT: Final = -1
 _NS_PER_S: Final = 1_000_000_000

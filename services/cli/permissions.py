@@ -439,6 +439,11 @@ def render_nats_conf(workers: Iterable[str], web_workers: Iterable[str]) -> str:
     return render_server_conf(f"authorization {{\n  users = [\n{users}  ]\n}}\n")
 
 
+# Where the rendered configurations keep the server's data (the container's volume;
+# ``deploy render nats --store-dir`` puts it elsewhere).
+NATS_STORE_DIR: Final = "/var/lib/nats"
+
+
 def render_server_conf(auth: str) -> str:
     """The single server's configuration, with ``auth`` saying who is who."""
     return (DEPLOY_DIR / "nats" / "nats-server.conf.in").read_text().replace("@AUTH@\n", auth)

@@ -24,19 +24,21 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import httpx
 import msgspec
 import structlog
 
 from services.cli import stackfile
-from services.cli.settings import UpSettings
+from services.cli.health import setup_streams
+from services.cli.identities import Store, own_identities
+from services.cli.settings import SetupSettings, UpSettings
 from services.cli.stopping import budget_of
 from services.errors import ConfigError, CoordinatorError
 from services.gateway.settings import GatewaySettings
@@ -45,7 +47,7 @@ from services.router.settings import RouterSettings
 from services.runtime.bus import MAX_PAYLOAD
 from services.runtime.lifecycle import install_stop_signals, run_main, run_within
 from services.runtime.logging import setup_logging
-from services.runtime.settings import Settings, WorkerSettings
+from services.runtime.settings import NatsAuth, Settings, WorkerSettings
 from services.runtime.tracing import setup_tracing
 from services.stats.settings import StatsSettings
 
@@ -238,19 +240,26 @@ def model_to_try(served: list[str], wanted: list[str]) -> str:
     return "MODEL"
 
 
-def up() -> int:
-    """Run the stack until Ctrl-C or SIGTERM; returns the exit status (0 for a stop)."""
+def up(identities: Path | None = None) -> int:
+    """Run the stack until Ctrl-C or SIGTERM; returns the exit status (0 for a stop). With
+    ``identities`` (the fleet's keys, `services.cli.identities`), each service connects to
+    NATS_URL as its own identity."""
     settings = UpSettings.from_env()
+    if identities is not None and not os.environ.get("NATS_URL"):
+        raise ConfigError(
+            "--identities needs NATS_URL: a nats-server running the configuration of "
+            "`coordinator deploy render nats --jwt` (the embedded one has no identities)"
+        )
     setup_logging(settings.log_level, settings.log_format)
     setup_tracing("coordinator")
     home = Path(settings.coordinator_home)
     home.mkdir(parents=True, exist_ok=True)
-    run_main(_up(settings, home))
+    run_main(_up(settings, home, identities))
     say("stack stopped")
     return 0
 
 
-async def _up(settings: UpSettings, home: Path) -> None:
+async def _up(settings: UpSettings, home: Path, identities: Path | None) -> None:
     """Start the servers, record the stack, run the services until stopped; then stop the
     services, PostgreSQL, nats-server and remove the record, in that order. A stop while a
     server starts takes effect once it has started."""
@@ -299,7 +308,10 @@ async def _up(settings: UpSettings, home: Path) -> None:
         say(f"stack file  {state}  (other coordinator commands find the stack through it)")
         say("stop        Ctrl-C (or SIGTERM) stops every service cleanly")
         env = {**os.environ, "NATS_URL": record.nats_url, "PG_DSN": pg_dsn}
-        await _run_services(env, stop, coordinator_command(home), ollama.models)
+        envs = {role: env for role in STACK_ROLES}
+        if identities is not None:
+            envs = await _as_identities(env, Store(identities), home / "identities")
+        await _run_services(envs, stop, coordinator_command(home), ollama.models)
 
 
 def _take_over(state: Path) -> None:
@@ -335,12 +347,47 @@ async def _enter(stack: contextlib.AsyncExitStack, manager: AbstractContextManag
     return value
 
 
+# The services `coordinator up` runs, by role.
+STACK_ROLES: Final = ("router", "stats", "worker", "reaper", "gateway")
+# What `coordinator up --identities` names its services' identities (and the operator's,
+# which makes the streams): ``router-up`` and so on; the worker's is its WORKER_ID.
+STACK_IDENTITY: Final = "up"
+_CREDENTIALS: Final = (
+    "NATS_USER",
+    "NATS_PASSWORD",
+    "NATS_TOKEN",
+    "NATS_CREDS",
+    "NATS_INBOX_PREFIX",
+)
+
+
+async def _as_identities(
+    env: dict[str, str], store: Store, directory: Path
+) -> dict[str, dict[str, str]]:
+    """Each service's environment with its own identity (made on first use, kept in
+    ``directory``), after the operator's identity has made the streams and buckets."""
+    worker_id = WorkerSettings.from_env(env).worker_id
+    wanted = [("operator", STACK_IDENTITY)]
+    wanted += [(role, worker_id if role == "worker" else STACK_IDENTITY) for role in STACK_ROLES]
+    creds = await asyncio.to_thread(own_identities, store, directory, wanted)
+    plain = {k: v for k, v in env.items() if k not in _CREDENTIALS}
+    setup = SetupSettings.from_env(plain)
+    await setup_streams(
+        setup.nats_url,
+        worker_ttl_s=setup.worker_ttl_s,
+        events_max_age_s=setup.events_max_age_s,
+        auth=NatsAuth(creds=str(creds["operator"]), tls_ca=setup.nats_tls_ca),
+    )
+    say(f"identities  {', '.join(sorted(p.stem for p in creds.values()))}  (in {directory})")
+    return {role: {**plain, "NATS_CREDS": str(creds[role])} for role in STACK_ROLES}
+
+
 async def _run_services(
-    env: dict[str, str], stop: asyncio.Event, command: str, served: list[str]
+    envs: Mapping[str, dict[str, str]], stop: asyncio.Event, command: str, served: list[str]
 ) -> None:
     """Say where the gateway and its dashboard are and which commands to try (``command``
     runs this ``coordinator``; ``served``: Ollama's models), then run the services until
-    ``stop``."""
+    ``stop``; ``envs``: each role's environment."""
     from services.gateway.keys import DASHBOARD_PAGE
     from services.gateway.service import run as run_gateway
     from services.reaper.service import run as run_reaper
@@ -348,13 +395,13 @@ async def _run_services(
     from services.stats.service import run as run_stats
     from services.worker.service import run as run_worker
 
-    gateway = GatewaySettings.from_env(env)
-    worker = WorkerSettings.from_env(env)
+    gateway = GatewaySettings.from_env(envs["gateway"])
+    worker = WorkerSettings.from_env(envs["worker"])
     services: list[tuple[str, Callable[[Any, asyncio.Event], Awaitable[None]], Settings]] = [
-        ("router", run_router, RouterSettings.from_env(env)),
-        ("stats", run_stats, StatsSettings.from_env(env)),
+        ("router", run_router, RouterSettings.from_env(envs["router"])),
+        ("stats", run_stats, StatsSettings.from_env(envs["stats"])),
         ("worker", run_worker, worker),
-        ("reaper", run_reaper, ReaperSettings.from_env(env)),
+        ("reaper", run_reaper, ReaperSettings.from_env(envs["reaper"])),
         ("gateway", run_gateway, gateway),
     ]
     url = local_url(gateway.gateway_host, gateway.gateway_port)

@@ -8,6 +8,8 @@ network namespace of its own."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import stat
 import subprocess
 import sys
@@ -22,13 +24,16 @@ import nats.errors
 import pytest
 from nats.aio.client import Client
 
+from benchmarks.up_stop import up_env
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
-from schemas.subjects import ROUTE, TASKS_STREAM, WORKERS, worker_consumer
+from schemas.subjects import CANCEL, ROUTE, TASK, TASKS_STREAM, WORKERS, worker_consumer
 from services.cli.health import setup_streams
 from services.cli.identities import Store
 from services.fleet.identity import decode_token
 from services.runtime.settings import NatsAuth
+from services.stats.service import run as run_stats
+from services.stats.settings import StatsSettings
 from tests.harness import (
     COORDINATOR,
     Processes,
@@ -40,6 +45,7 @@ from tests.harness import (
     workers_live,
 )
 from tests.hosts import NetnsHost, netns_hosts, netns_unavailable
+from tests.integration.test_processes import wait_until_ready
 
 MODEL = "qwen2.5:0.5b"
 
@@ -71,16 +77,13 @@ def fleet() -> Iterator[Fleet]:
         tmp = Path(name)
         store = Store(tmp / "identities")
         rendered = run_cli(
-            "deploy",
-            "render",
-            "nats",
-            "--jwt",
+            *("deploy", "render", "nats", "--jwt", "--store-dir", str(tmp / "data")),
             env=clean_env(COORDINATOR_IDENTITIES=str(store.path)),
         )
         assert rendered.returncode == 0, rendered.stderr
         conf = rendered.stdout
-        assert conf.count("/var/lib/nats") == 2  # JetStream's store and the resolver's
-        conf = conf.replace("/var/lib/nats", str(tmp / "data"))
+        assert "/var/lib/nats" not in conf
+        assert f'dir: "{tmp}/data/jwt"' in conf  # the resolver keeps what is pushed
         conf = conf.replace("http: 127.0.0.1:8222", "http: 127.0.0.1:0")
         (tmp / "nats-server.conf").write_text(conf)
         # No password anywhere: the server's environment adds nothing.
@@ -405,3 +408,103 @@ async def test_a_machine_joins_with_its_token_alone_and_runs_a_task(
         assert reply["worker"] == "far"
     finally:
         await alice.close()
+
+
+async def code_of(nc: Client, subject: str, body: dict[str, Any]) -> str | None:
+    """The error code a request was refused with; None when it was answered."""
+    _, headers = await request(nc, subject, body, 10.0)
+    return headers.get("Nats-Service-Error-Code")
+
+
+async def test_a_task_is_read_followed_cancelled_and_listed_only_by_who_asked_and_the_operator(
+    ready: Fleet, ollama: FakeOllama, pg_dsn: str, runner: ServiceRunner
+) -> None:
+    url = ready.server.url
+    run_services(ready, runner, ollama.url, "cpu1")
+    stats = str(ready.creds("stats", "s1"))
+    runner.start(run_stats, StatsSettings(nats_url=url, pg_dsn=pg_dsn, nats_creds=stats))
+    alice = await connect_as(ready, ready.creds("client", "alice"))
+    bob = await connect_as(ready, ready.creds("client", "bob"))
+    ops = await connect_as(ready, ready.creds("operator", "ann"))
+    try:
+        task_id = (await ask(alice, "mine"))["task_id"]
+
+        async def projected() -> dict[str, Any] | None:
+            body, _ = await request(alice, TASK, {"task_id": task_id}, 10.0)
+            return body if body.get("status") == "done" else None
+
+        assert (await eventually(projected, timeout_s=20.0))["task_id"] == task_id
+        # Another person is told what a task nobody has gets: not_found.
+        assert await code_of(bob, TASK, {"task_id": task_id}) == "not_found"
+        assert await code_of(bob, TASK, {"task_id": task_id, "client": "x"}) == "not_found"
+        assert await code_of(ops, TASK, {"task_id": task_id}) is None
+        follow = {"prompt": "mine", "model": MODEL, "task_id": task_id, "wait": True}
+        assert await code_of(bob, ROUTE, follow) == "not_found"
+        followed, _ = await request(alice, ROUTE, follow, 10.0)
+        assert followed["status"] == "done" and followed["task_id"] == task_id
+
+        # A running task: its id shows to its owner and the operator only, and only they
+        # may cancel it.
+        ollama.configure(chunk_delay_s=0.3)
+        queued, _ = await request(
+            alice, ROUTE, {"prompt": "a long one", "model": MODEL, "wait": False}, 10.0
+        )
+        running = queued["task_id"]
+
+        async def listed(nc: Client) -> str | None:
+            body, _ = await request(nc, WORKERS, {}, 10.0)
+            current: str | None = body["workers"][0].get("current_task")
+            return current
+
+        async def shown_to_alice() -> str | None:
+            return await listed(alice)
+
+        assert await eventually(shown_to_alice, timeout_s=10.0) == running
+        assert await listed(ops) == running
+        assert await listed(bob) is None
+        assert await code_of(bob, CANCEL, {"task_id": running}) == "not_found"
+        assert await code_of(alice, CANCEL, {"task_id": running}) is None
+        again = {"prompt": "a long one", "model": MODEL, "task_id": running, "wait": True}
+        ended, _ = await request(alice, ROUTE, again, 20.0)
+        assert (ended["task_id"], ended["status"]) == (running, "failed"), ended
+        assert ended["failure"]["code"] == "cancelled", ended
+    finally:
+        for nc in (alice, bob, ops):
+            await nc.close()
+
+
+async def test_coordinator_up_gives_each_service_its_own_identity_and_keeps_it(
+    fleet: Fleet, ollama: FakeOllama, pg_dsn: str, processes: Processes
+) -> None:
+    home = fleet.tmp / "home"
+    env = {
+        **up_env(home, ollama.url, pg_dsn),
+        "NATS_URL": fleet.server.url,
+        "COORDINATOR_IDENTITIES": str(fleet.store.path),
+        "WORKER_ID": "hub",
+    }
+    alice = await connect_as(fleet, fleet.creds("client", "alice"))
+    try:
+        for run in range(2):  # the second run keeps the identities the first one made
+            up = processes.start([COORDINATOR, "up", "--identities"], env)
+            banner = await wait_until_ready(up)
+            assert (
+                "identities  gateway-up, operator-up, reaper-up, router-up, stats-up, "
+                "worker-hub" in banner
+            ), banner
+            reply = await ask(alice, f"run {run}")
+            assert reply["worker"] == "hub"
+            up.send_signal(signal.SIGINT)
+            await asyncio.to_thread(up.communicate, timeout=30)
+            assert up.returncode == 0
+    finally:
+        await alice.close()
+    listed = run_cli("identities", "--json", env=fleet.cli_env())
+    identities = json.loads(listed.stdout)
+    assert {"router-up", "worker-hub", "operator-up"} <= set(identities)
+    assert all(i.get("revoked_at") is None for i in identities.values())
+    for creds in (home / "identities").iterdir():
+        assert stat.S_IMODE(creds.stat().st_mode) == 0o600, creds
+    # Without NATS_URL there is no server with identities to give: refused, with why.
+    alone = run_cli("up", "--identities", env={**env, "NATS_URL": ""})
+    assert alone.returncode == 2 and "--identities needs NATS_URL" in alone.stderr
