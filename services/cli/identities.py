@@ -312,6 +312,9 @@ def cmd_invite(args: argparse.Namespace) -> int:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
+    from services.runtime.logging import setup_logging
+
+    setup_logging("error", "console", stream=sys.stderr)
     settings = Settings.from_env()
     store = _store(args)
     jwt = store.revoke(args.identity)

@@ -47,8 +47,10 @@ class Written:
     ca: Path | None
 
 
-def default_dir() -> Path:
-    if os.geteuid() == 0:
+def default_dir(role: str) -> Path:
+    """A service's settings in /etc/coordinator as root (its unit reads them there); a
+    person's in their home."""
+    if os.geteuid() == 0 and role in SERVICE_ROLES:
         return Path("/etc/coordinator")
     return Path("~/.config/coordinator").expanduser()
 
@@ -182,8 +184,8 @@ def register(sub: Any) -> None:
         "--dir",
         type=Path,
         default=None,
-        help="where its settings go (default: /etc/coordinator "
-        "as root, else ~/.config/coordinator)",
+        help="where its settings go (default: a service's in /etc/coordinator as root, "
+        "else ~/.config/coordinator)",
     )
     join.add_argument(
         "--backend",
@@ -198,13 +200,16 @@ def register(sub: Any) -> None:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from services.runtime.logging import setup_logging
+
+    setup_logging("error", "console", stream=sys.stderr)  # its checks' connections: no chatter
     token = decode_token(args.token)
     user = args.user or getpass.getuser()
     try:
         pwd.getpwnam(user)
     except KeyError:
         raise ConfigError(f"--user {user}: no such account on this machine") from None
-    written = write_config(token, args.dir or default_dir(), args.backend, user)
+    written = write_config(token, args.dir or default_dir(token.role), args.backend, user)
     asyncio.run(check_fleet(token, written))
     if token.role in WITH_WORKER_ID:
         asyncio.run(check_backend(args.backend))
