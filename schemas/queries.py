@@ -76,6 +76,21 @@ class WorkerView(Wire, frozen=True, kw_only=True):
     """The most models it has seen its backend hold at once (None: not known)."""
 
 
+class LastEventQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.event.last``: a task's last event on one subject
+    (`schemas.subjects.task_of_readable_event`)."""
+
+    subject: str
+
+
+class LastEvent(Wire, frozen=True, kw_only=True):
+    """The event as stored: its subject, its sequence in ``EVENTS``, its bytes."""
+
+    subject: str
+    seq: int
+    data: bytes
+
+
 class WorkersReply(Wire, frozen=True, kw_only=True):
     workers: list[WorkerView]
     aliases: dict[str, str] = msgspec.field(default_factory=dict)

@@ -64,6 +64,9 @@ ROUTER_HOLDS: Final = "coordinator.router.holds"
 CANCEL_NOTICES: Final = "coordinator.cancel.*"
 TASK: Final = "coordinator.task"
 WORKERS: Final = "coordinator.workers"
+# A task's last event of one kind, for a worker that may not read the event log itself (one
+# with an identity): the router reads it, for the workers the task was routed to.
+LAST_EVENT: Final = "coordinator.event.last"
 # The reaper's NATS micro service (it answers `$SRV.PING.coordinator-reaper`, so the router and
 # `coordinator health` can tell it runs) and its status endpoint.
 REAPER_SERVICE: Final = "coordinator-reaper"
@@ -169,6 +172,26 @@ def task_event(task_id: str, kind: str, worker: str | None = None) -> str:
 def workers_task_event(task_id: str, kind: str) -> str:
     """``events.task.<task_id>.*.<kind>``: that kind of the task's events from any worker."""
     return f"events.task.{check_token('task id', task_id)}.*.{check_token('event kind', kind)}"
+
+
+# What a worker reads of a task it holds: the router's and reaper's ``routed`` and ``failed``,
+# and any worker's ``started``, ``completed`` and ``failed`` (never ``submitted``: the prompt).
+_READ_OWN: Final = frozenset({"routed", "failed"})
+_READ_WORKERS: Final = frozenset({"started", "completed", "failed"})
+
+
+def task_of_readable_event(subject: str) -> str:
+    """The task whose event ``subject`` names, one a worker may ask for (`LAST_EVENT`):
+    ``events.task.<id>.routed|failed`` or ``events.task.<id>.<worker or *>.started|completed|
+    failed``, the task id a plain token. `InvalidId` for anything else (a wildcard in the
+    task's place reads every task's)."""
+    parts = subject.split(".")
+    if parts[:2] == ["events", "task"] and len(parts) in (4, 5):
+        task_id, kind = parts[2], parts[-1]
+        readable = kind in _READ_OWN if len(parts) == 4 else kind in _READ_WORKERS
+        if readable and (len(parts) == 4 or parts[3] == "*" or _TOKEN.fullmatch(parts[3])):
+            return check_token("task id", task_id)
+    raise InvalidId("task event a worker reads", subject)
 
 
 def task_event_source(subject: str) -> str | None:

@@ -20,6 +20,7 @@ from schemas.subjects import (
     CHUNKS,
     EVENTS_STREAM,
     GATEWAY_KEYS_BUCKET,
+    LAST_EVENT,
     LEADERS_BUCKET,
     REAPER_ROLE,
     REAPER_SERVICE,
@@ -101,16 +102,10 @@ _ALIASES = [
     # Ordered consumers answer the server's flow control.
     "$JS.FC.>",
 ]
-# A worker's reads of its tasks' events (services/runtime/outcomes.py: the current attempt,
-# an outcome already stored, who started it), by subject: never a prompt (``submitted``).
-# The router's and reaper's ``routed`` and ``failed``, and the workers' own events.
-_OUTCOME_READS = [
-    *(f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.task.*.{kind}" for kind in ("routed", "failed")),
-    *(
-        f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.events.task.*.*.{kind}"
-        for kind in ("started", "completed", "failed")
-    ),
-]
+# A worker reads nothing of the event log itself: a direct get cannot be kept to one task
+# (a ``*`` in the task's place of its subject reads every task's last event, answers
+# included). It asks the router about the tasks it holds (services/router/eventreads.py).
+_OUTCOME_READS = [LAST_EVENT]
 
 
 def _own_task_events(worker_id: str) -> list[str]:
@@ -230,6 +225,7 @@ def role_permissions(
                 ROUTE,
                 WORKERS,
                 "coordinator.cancel",
+                LAST_EVENT,
                 ROUTER_HOLDS,
                 "events.task.>",
                 "events.worker.*.duplicate",

@@ -13,11 +13,19 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Collection
 from typing import Final, NamedTuple
 
 import msgspec
 
-from schemas.subjects import INBOX, InvalidId, check_token, check_worker_id
+from schemas.subjects import (
+    INBOX,
+    SHARED_CPU,
+    WEB,
+    InvalidId,
+    check_token,
+    check_worker_id,
+)
 from services.errors import ConfigError
 
 # The roles an identity can have (services/cli/permissions.py gives each its permissions), and
@@ -72,6 +80,33 @@ def is_gateway(identity: str | None) -> bool:
     if identity is None:
         return False
     return identity == "gateway" or identity.startswith(f"{ROLE_PREFIXES['gateway']}-")
+
+
+def worker_of(identity: str | None) -> tuple[str, str] | None:
+    """(role, worker id) of a worker's identity (``worker-<id>``, ``web-<id>``: its
+    password user's name too); None for any other."""
+    for role in WITH_WORKER_ID:
+        prefix = f"{ROLE_PREFIXES[role]}-"
+        if identity is not None and identity.startswith(prefix) and len(identity) > len(prefix):
+            return role, identity.removeprefix(prefix)
+    return None
+
+
+# The pool each worker role pulls besides its own queues (`schemas.subjects.POOLS`).
+_POOL_OF_ROLE: Final = {"worker": SHARED_CPU.name, "web-search": WEB.name}
+
+
+def may_read_task_events(reader: str | None, routed_to: Collection[str]) -> bool:
+    """Whether ``reader`` may read a task's events (`schemas.subjects.LAST_EVENT`) whose
+    attempts were routed to ``routed_to`` (workers, pools): a worker one of them was routed
+    to, or that pulls the pool it was; the operator; anyone on a bus without identities."""
+    if reader is None or is_operator(reader):
+        return True
+    worker = worker_of(reader)
+    if worker is None:
+        return False
+    role, worker_id = worker
+    return worker_id in routed_to or _POOL_OF_ROLE[role] in routed_to
 
 
 def asker_of(reply: str | None) -> str | None:

@@ -41,6 +41,7 @@ from schemas.subjects import (
     ASLEEP_BUCKET,
     CANCEL,
     CHUNKS,
+    LAST_EVENT,
     ROUTE,
     STATS_BUCKET,
     WORKERS,
@@ -59,6 +60,7 @@ from services.router.backlog import Backlog
 from services.router.cancelling import Canceller
 from services.router.decide import Plan, Submission, decide, submission
 from services.router.ending import recheck_ends
+from services.router.eventreads import last_event
 from services.router.feeds import apply_figure, apply_sleeper
 from services.router.following import UNSUBMITTED, Follower, Unsubmitted, task_owner
 from services.router.listing import Problems, workers_reply
@@ -195,8 +197,15 @@ class Router:
         await add_endpoint(self._service, "route", ROUTE, self.handle_route, self.tasks)
         await add_endpoint(self._service, "workers", WORKERS, self.handle_workers, self.tasks)
         await add_endpoint(self._service, "cancel", CANCEL, self.canceller.handle, self.tasks)
+        await add_endpoint(
+            self._service,
+            "last-event",
+            LAST_EVENT,
+            functools.partial(last_event, self.js),
+            self.tasks,
+        )
         await flush_written(self.nc)  # in place for every client before anyone is told
-        log.info("router ready", subjects=[ROUTE, WORKERS, CANCEL])
+        log.info("router ready", subjects=[ROUTE, WORKERS, CANCEL, LAST_EVENT])
 
     async def stop(self) -> None:
         """Stop answering and following; every step bounded, none raising (the bus may be

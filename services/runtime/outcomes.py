@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from types import TracebackType
-from typing import NamedTuple, Self
+from typing import NamedTuple, Protocol, Self
 
+import msgspec
 import nats.errors
 import structlog
 from nats.aio.client import Client
@@ -31,20 +32,24 @@ from schemas.events import (
     TaskStarted,
     task_event_decoder,
 )
+from schemas.queries import LastEvent, LastEventQuery
 from schemas.subjects import (
     EVENTS_STREAM,
+    LAST_EVENT,
     task_event,
     task_event_source,
     task_events,
     workers_task_event,
 )
 from schemas.tasks import TaskMessage
+from services.errors import NotFound
 from services.runtime.bus import (
     fences_by_subject,
     is_wrong_last_sequence,
     last_sequence_said,
     publish_event,
 )
+from services.runtime.request import call
 
 log = structlog.get_logger("outcomes")
 
@@ -102,9 +107,41 @@ class Stored(NamedTuple):
     seq: int
 
 
-async def last_stored(js: JetStreamContext, subject: str, *, leader: bool = False) -> Stored | None:
+class EventReads(Protocol):
+    """Where a process that may not read the event log itself reads a task's last events."""
+
+    async def last(self, subject: str) -> Stored | None: ...
+
+
+# A read of the event log: JetStream's own, or one asked of a service (`RouterReads`).
+Reads = JetStreamContext | EventReads
+
+
+class RouterReads:
+    """A worker with an identity reads its tasks' events through the router
+    (`schemas.subjects.LAST_EVENT`), which answers only about the tasks routed to it: the
+    server's permissions cannot keep a direct get to one task (a ``*`` in the task's place of
+    the subject reads every task's last event)."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+
+    async def last(self, subject: str) -> Stored | None:
+        query = msgspec.json.encode(LastEventQuery(subject=subject))
+        try:
+            reply = await call(self.nc, LAST_EVENT, query, LAST_EVENT_TIMEOUT_S)
+        except NotFound:
+            return None
+        event = msgspec.json.decode(reply, type=LastEvent)
+        return Stored(event.subject, event.data, event.seq)
+
+
+LAST_EVENT_TIMEOUT_S = 5.0
+
+
+async def last_stored(js: Reads, subject: str, *, leader: bool = False) -> Stored | None:
     """The last message on ``subject`` (wildcards allowed) in ``EVENTS``; None when there is
-    none.
+    none. Read through ``js`` when it is not JetStream's (`RouterReads`; never the leader's).
 
     A direct get names the subject in the API subject
     (``$JS.API.DIRECT.GET.EVENTS.<subject>``), so a worker's NATS user may read its tasks'
@@ -113,6 +150,10 @@ async def last_stored(js: JetStreamContext, subject: str, *, leader: bool = Fals
     ``leader`` the stream's leader answers (the plain request, which a worker's NATS user may
     not make): it holds every write acknowledged before the question.
     """
+    if not isinstance(js, JetStreamContext):
+        if leader:
+            raise ValueError("a read through a service is never the stream leader's")
+        return await js.last(subject)
     try:
         if leader:
             stored = await js.get_last_msg(EVENTS_STREAM, subject)
@@ -126,7 +167,7 @@ async def last_stored(js: JetStreamContext, subject: str, *, leader: bool = Fals
     return Stored(stored.subject or subject, stored.data or b"", stored.seq or 0)
 
 
-async def last_on(js: JetStreamContext, subject: str, *, leader: bool = False) -> bytes | None:
+async def last_on(js: Reads, subject: str, *, leader: bool = False) -> bytes | None:
     """The data of the last message on ``subject`` in ``EVENTS`` (`last_stored`)."""
     stored = await last_stored(js, subject, leader=leader)
     return None if stored is None else stored.data
@@ -142,7 +183,7 @@ class Sourced(NamedTuple):
 
 
 async def last_task_events(
-    js: JetStreamContext,
+    js: Reads,
     task_id: str,
     kind: str,
     *,
@@ -169,7 +210,7 @@ async def last_task_events(
     return found
 
 
-async def stored_ends(js: JetStreamContext, task_id: str, *, leader: bool = False) -> list[Sourced]:
+async def stored_ends(js: Reads, task_id: str, *, leader: bool = False) -> list[Sourced]:
     """The task's last outcome events of each kind and source (`last_task_events`): the last
     ``completed`` a worker stored, and the last ``failed`` from a worker and from the router
     or the reaper. Only workers complete a task, so nobody asks for the router's and reaper's
@@ -198,7 +239,7 @@ def outcome_among(
 
 
 async def stored_outcome(
-    js: JetStreamContext,
+    js: Reads,
     task_id: str,
     attempt: int,
     accepted: Callable[[Sourced], bool],
@@ -210,13 +251,13 @@ async def stored_outcome(
     return outcome_among(await stored_ends(js, task_id, leader=leader), attempt, accepted)
 
 
-async def routing_of(js: JetStreamContext, task_id: str, attempt: int) -> TaskRouted | None:
-    """The stored ``routed`` of this attempt of the task (its last, if it was stored more than
-    once), read from the stream's leader in order through the task's ``routed`` subject; None
-    when the log holds none. A few reads: a task is routed once per attempt, and this is asked
-    only for an earlier attempt's end (`services.router.following`)."""
+async def routings(js: JetStreamContext, task_id: str) -> list[TaskRouted]:
+    """Every stored ``routed`` of the task, oldest first, read from the stream's leader in
+    order through the task's ``routed`` subject. A few reads: a task is routed once per
+    attempt, and this is asked only off the hot path (an earlier attempt's end, a worker's
+    question about a task it holds)."""
     subject = task_event(task_id, "routed")
-    found: TaskRouted | None = None
+    found: list[TaskRouted] = []
     seq = 1
     while True:
         try:
@@ -224,16 +265,20 @@ async def routing_of(js: JetStreamContext, task_id: str, attempt: int) -> TaskRo
         except NotFoundError:
             return found
         event = task_event_decoder.decode(msg.data or b"")
-        if isinstance(event, TaskRouted) and event.attempt == attempt:
-            found = event
-        elif isinstance(event, TaskRouted) and event.attempt > attempt:
-            return found
+        if isinstance(event, TaskRouted):
+            found.append(event)
         if msg.seq is None:
             return found
         seq = msg.seq + 1
 
 
-async def current_attempt(js: JetStreamContext, task_id: str) -> int | None:
+async def routing_of(js: JetStreamContext, task_id: str, attempt: int) -> TaskRouted | None:
+    """The stored ``routed`` of this attempt of the task (its last, if it was stored more than
+    once); None when the log holds none (`routings`)."""
+    return next((r for r in reversed(await routings(js, task_id)) if r.attempt == attempt), None)
+
+
+async def current_attempt(js: Reads, task_id: str) -> int | None:
     """The attempt the task's latest ``routed`` names: the only one that may still run.
 
     The reaper moves a task by routing attempt N+1 before anything else, so a worker that
@@ -247,13 +292,13 @@ async def current_attempt(js: JetStreamContext, task_id: str) -> int | None:
     return event.attempt if isinstance(event, TaskRouted) else None
 
 
-async def moved_on(js: JetStreamContext, task: TaskMessage) -> bool:
+async def moved_on(js: Reads, task: TaskMessage) -> bool:
     """Does the task's last ``routed`` name a later attempt than this copy's?"""
     current = await current_attempt(js, task.task_id)
     return current is not None and current > task.attempt
 
 
-async def superseded(js: JetStreamContext, task: TaskMessage) -> bool:
+async def superseded(js: Reads, task: TaskMessage) -> bool:
     """Was this copy's attempt moved on, or failed for good by the reaper (or the router)?
     Asked when its fence was refused: either moves it (`services.reaper.actions`)."""
     if await moved_on(js, task):
@@ -264,7 +309,7 @@ async def superseded(js: JetStreamContext, task: TaskMessage) -> bool:
 
 
 async def fenced_out(
-    js: JetStreamContext, task: TaskMessage, fence: tuple[str, int], refusal: BaseException
+    js: Reads, task: TaskMessage, fence: tuple[str, int], refusal: BaseException
 ) -> bool:
     """Was this attempt's fenced write refused because it was moved on or failed for good?
 
@@ -299,6 +344,7 @@ async def store_attempt_outcome(
     by: str,
     *,
     retry_s: float = OUTCOME_RETRY_S,
+    reads: Reads | None = None,
 ) -> bool:
     """Store a worker's outcome of the attempt ``task`` is a copy of, fenced (`attempt_fence`),
     trying for up to ``retry_s``: False when the task was moved on or failed for good
@@ -310,7 +356,7 @@ async def store_attempt_outcome(
     except Exception as exc:
         if fence is None or not is_wrong_last_sequence(exc):
             raise
-        if await fenced_out(js, task, fence, exc):
+        if await fenced_out(reads or js, task, fence, exc):
             return False
         await store_outcome(js, outcome, by=by)  # its ``routed`` is gone (the log was cut)
     return True
@@ -329,6 +375,7 @@ async def claim(
     task: TaskMessage,
     *,
     alone_after: int | None = None,
+    reads: Reads | None = None,
 ) -> bool:
     """Store this attempt's ``started``, unless the task was moved on: False then (attempt
     fencing), and nothing is stored.
@@ -348,8 +395,9 @@ async def claim(
     is never run past. Refused so, it returns False when the task was moved on, and raises
     `NotAlone` otherwise.
     """
+    read = reads or js  # the task's events (`RouterReads` for a worker with an identity)
     fence = attempt_fence(nc, task)
-    if fence is None and await moved_on(js, task):
+    if fence is None and await moved_on(read, task):
         return False
     if fence is not None and alone_after is not None:
         fence = (task_events(task.task_id), max(fence[1], alone_after))
@@ -361,12 +409,12 @@ async def claim(
         except Exception as exc:
             if fence is not None and is_wrong_last_sequence(exc):
                 if alone_after is not None and _newer_said(fence, exc):
-                    if await moved_on(js, task):
+                    if await moved_on(read, task):
                         return False
                     raise NotAlone(
                         f"something of task {task.task_id} was stored after it was judged"
                     ) from exc
-                if await fenced_out(js, task, fence, exc):
+                if await fenced_out(read, task, fence, exc):
                     return False
                 fence = None  # its ``routed`` is gone (the log was cut): run what is held
                 continue
@@ -382,7 +430,7 @@ def _newer_said(fence: tuple[str, int], refusal: BaseException) -> bool:
     return said is None or said > fence[1]
 
 
-async def last_started(js: JetStreamContext, task_id: str, attempt: int) -> Sourced | None:
+async def last_started(js: Reads, task_id: str, attempt: int) -> Sourced | None:
     """The latest ``started`` of this attempt, with the worker whose subject it is on: who
     began it, on which host, when."""
     stored = await last_stored(js, workers_task_event(task_id, "started"))

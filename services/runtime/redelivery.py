@@ -32,6 +32,7 @@ from services.fleet.takeover import Lost, Run, Wait, on_redelivery
 from services.runtime.acks import ACK, NAK, TERM, settle
 from services.runtime.bus import is_wrong_last_sequence
 from services.runtime.outcomes import (
+    Reads,
     Sourced,
     last_started,
     outcome_among,
@@ -59,17 +60,18 @@ async def settled(
     runs_twice: bool,
     worker_ttl_s: float,
     fence: tuple[str, int] | None = None,
+    reads: Reads | None = None,
 ) -> ToRun | None:
     """None when the message is dealt with (acknowledged, returned, failed): nothing to run.
     ``fence``: the attempt's (`services.runtime.outcomes.attempt_fence`), for a failure this
-    stores.
+    stores; ``reads``: where the task's events are read (default: ``js``).
 
     Only events their recorder may give count (`services.fleet.binding`): the attempt was
     routed where the message's queue says."""
     if msg.metadata.num_delivered == 1:
         return ToRun()
     try:
-        ends = await stored_ends(js, task.task_id)
+        ends = await stored_ends(reads or js, task.task_id)
         supports = await _supports(registry, {end.source for end in ends if end.source})
         routed_to = routed_to_of_queue(msg.subject)
 
@@ -92,6 +94,7 @@ async def settled(
             registry,
             task,
             msg,
+            reads=reads or js,
             bound=bound,
             worker_id=worker_id,
             routed_to=routed_to,
@@ -112,6 +115,7 @@ async def _taken_over(
     task: TaskMessage,
     msg: Msg,
     *,
+    reads: Reads,
     bound: FilteringBoundLogger,
     worker_id: str,
     routed_to: str,
@@ -119,7 +123,7 @@ async def _taken_over(
     fence: tuple[str, int] | None,
     judged_up_to: int,
 ) -> ToRun | None:
-    found = await last_started(js, task.task_id, task.attempt)
+    found = await last_started(reads, task.task_id, task.attempt)
     started, starter = None, None
     if found is not None:
         event, source, seq = found

@@ -72,6 +72,11 @@ class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
     tls_key: str | None = None
     inbox_prefix: str | None = None
 
+    def proves_who(self) -> bool:
+        """Does the connection say who it is (a user, a token, a creds file)? Then the
+        server's permissions apply to it: a bus with users, not an open one."""
+        return any(way is not None for way in (self.user, self.token, self.creds))
+
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Settings every service has."""

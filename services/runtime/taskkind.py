@@ -17,6 +17,7 @@ from schemas.workers import Capability
 from services.backends import OnChunk, Progress
 from services.fleet.health import Health
 from services.runtime.consumers import Queue
+from services.runtime.settings import NatsAuth
 from services.runtime.sleep import SleepPolicy
 
 
@@ -41,6 +42,9 @@ class LoopSettings:
     # The watchdog's limit (`services.runtime.watchdog`), for a worker that is its own
     # process; None: no watchdog.
     watchdog_s: float | None = None
+    # A worker with credentials (an identity, a password user) may not read the event log:
+    # it asks the router about its tasks (`services.runtime.outcomes.RouterReads`).
+    reads_via_router: bool = False
 
 
 class WorkerIdentity(Protocol):
@@ -58,6 +62,7 @@ class WorkerIdentity(Protocol):
     def ack_wait_s(self) -> float: ...
     @property
     def stop_grace_s(self) -> float: ...
+    def nats_auth(self) -> NatsAuth: ...
 
 
 def loop_settings(
@@ -82,6 +87,7 @@ def loop_settings(
         sleep=sleep,
         wol_mac=wol_mac,
         watchdog_s=watchdog_s,
+        reads_via_router=settings.nats_auth().proves_who(),
     )
 
 

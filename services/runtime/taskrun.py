@@ -37,6 +37,8 @@ from services.runtime.attempts import (
 from services.runtime.outcomes import (
     KeepAlive,
     NotAlone,
+    Reads,
+    RouterReads,
     attempt_fence,
     claim,
     moved_on,
@@ -61,6 +63,9 @@ class TaskRunner:
     ) -> None:
         self.nc = nc
         self.js = js
+        # Where the task's events are read: the log itself, or the router for a worker with
+        # credentials, which may not read it (`services.runtime.outcomes.RouterReads`).
+        self.reads: Reads = RouterReads(nc) if settings.reads_via_router else js
         self.kind = kind
         self.settings = settings
         self.registry: KeyValue | None = None  # the workers bucket, once the loop has it
@@ -134,6 +139,7 @@ class TaskRunner:
             runs_twice=self.settings.runs_twice,
             worker_ttl_s=self.settings.worker_ttl_s,
             fence=attempt_fence(self.nc, task),
+            reads=self.reads,
         )
         if to_run is None:
             return False
@@ -145,7 +151,7 @@ class TaskRunner:
             notice = self._cancels.stopping(task.task_id, task.attempt)
             if notice is not None:
                 # Cancelled while queued: not run, and no outcome for a copy that was moved on.
-                if notice.up_to_attempt is not None or await moved_on(self.js, task):
+                if notice.up_to_attempt is not None or await moved_on(self.reads, task):
                     bound.warning("stale attempt: the task was moved on; dropped unrun")
                     await settle(self.nc, msg, TERM)
                     return False
@@ -157,7 +163,14 @@ class TaskRunner:
                 # so does every kind right after the worker was out of touch with the bus.
                 alone_after = None if self.settings.runs_twice else to_run.judged_up_to
                 claimed = asyncio.ensure_future(
-                    claim(self.nc, self.js, self._started(task), task, alone_after=alone_after)
+                    claim(
+                        self.nc,
+                        self.js,
+                        self._started(task),
+                        task,
+                        alone_after=alone_after,
+                        reads=self.reads,
+                    )
                 )
                 claimed.add_done_callback(self._stop_if_refused)
                 if not self.settings.runs_twice or self.claim_first:
@@ -177,7 +190,13 @@ class TaskRunner:
             # Stored through any outage, however long: the work is done, and the fence keeps
             # it from counting once the task was moved on meanwhile.
             if not await store_attempt_outcome(
-                self.nc, self.js, task, outcome, self.settings.worker_id, retry_s=math.inf
+                self.nc,
+                self.js,
+                task,
+                outcome,
+                self.settings.worker_id,
+                retry_s=math.inf,
+                reads=self.reads,
             ):
                 bound.warning("stale attempt: the task was moved on while it ran; outcome dropped")
                 await settle(self.nc, msg, TERM)

@@ -23,6 +23,7 @@ import nats
 import nats.errors
 import pytest
 from nats.aio.client import Client
+from structlog.testing import capture_logs
 
 from benchmarks.up_stop import up_env
 from devtools.fakes.ollama import FakeOllama
@@ -508,3 +509,60 @@ async def test_coordinator_up_gives_each_service_its_own_identity_and_keeps_it(
     # Without NATS_URL there is no server with identities to give: refused, with why.
     alone = run_cli("up", "--identities", env={**env, "NATS_URL": ""})
     assert alone.returncode == 2 and "--identities needs NATS_URL" in alone.stderr
+
+
+async def test_a_worker_with_an_identity_judges_its_redelivered_task_through_the_router(
+    ready: Fleet, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """Stopped mid-task, the worker returns the task to its queue; started again, it is
+    handed it again and asks the router what the task ended with (nothing: it runs it) before
+    it runs it. Its identity reads nothing of the event log itself."""
+    url = ready.server.url
+    runner.router(url, nats_creds=str(ready.creds("router", "r1")))
+    worker_creds = str(ready.creds("worker", "cpu1"))
+    ollama.configure(chunk_delay_s=0.2)
+    first = runner.worker(url, ollama.url, "cpu1", nats_creds=worker_creds, stop_grace_s=0.2)
+    alice = await connect_as(ready, ready.creds("client", "alice"))
+    try:
+        queued = await ask_queued(alice, "a long one")
+
+        async def running() -> bool:
+            return ollama.stats()["in_flight"] > 0
+
+        await eventually(running, timeout_s=20.0)
+        with capture_logs() as logs:
+            await runner.stop(first)  # the task goes back to its queue
+            ollama.configure(chunk_delay_s=0.0)
+            runner.worker(url, ollama.url, "cpu1", nats_creds=worker_creds)
+            again = {"prompt": "a long one", "model": MODEL, "task_id": queued, "wait": True}
+            reply, _ = await request(alice, ROUTE, again, 30.0)
+        assert (reply["status"], reply["worker"]) == ("done", "cpu1"), reply
+        # The redelivery was judged by what the router read for the worker.
+        ops = await connect_as(ready, ready.creds("operator", "ann"))
+        try:
+            stats, _ = await request(ops, "$SRV.STATS.coordinator-router", b"", 5.0)
+        finally:
+            await ops.close()
+    finally:
+        await alice.close()
+    [endpoint] = [e for e in stats["endpoints"] if e["name"] == "last-event"]
+    assert endpoint["num_requests"] >= 1 and endpoint["num_errors"] == 0, endpoint
+    assert not [e for e in logs if "not settled" in str(e.get("event"))], logs
+    assert not [e for e in logs if "permissions violation" in str(e).lower()]
+
+
+async def ask_queued(nc: Client, prompt: str) -> str:
+    """Route a prompt without waiting; its task id."""
+
+    async def queued() -> str | None:
+        try:
+            body, _ = await request(
+                nc, ROUTE, {"prompt": prompt, "model": MODEL, "wait": False}, 10.0
+            )
+        except nats.errors.Error:
+            return None  # the router is still starting
+        task_id: str | None = body.get("task_id")
+        return task_id
+
+    task_id: str = await eventually(queued, timeout_s=30.0, interval_s=0.3)
+    return task_id

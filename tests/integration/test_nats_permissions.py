@@ -22,7 +22,14 @@ from structlog.testing import capture_logs
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
-from schemas.events import ALIAS_EVENTS, AliasSet, ExclusionAdded, TaskCompleted, TaskFailed
+from schemas.events import (
+    ALIAS_EVENTS,
+    AliasSet,
+    ExclusionAdded,
+    TaskCompleted,
+    TaskFailed,
+    TaskRouted,
+)
 from schemas.measures import Durations
 from schemas.subjects import (
     CANCEL,
@@ -45,12 +52,12 @@ from services.cli.permissions import (
     password_variable,
 )
 from services.cli.roles import DEPLOY_DIR
-from services.errors import Unavailable
+from services.errors import BadRequest, NoResponder, Unavailable
 from services.reaper.service import run as run_reaper
 from services.reaper.settings import ReaperSettings
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import ensure_streams, publish_event
-from services.runtime.outcomes import stored_ends
+from services.runtime.outcomes import RouterReads, Sourced, stored_ends
 from services.runtime.request import new_task_id
 from services.runtime.settings import NatsAuth
 from services.stats.service import run as run_stats
@@ -315,37 +322,64 @@ async def test_a_worker_cannot_use_another_workers_queue_nor_read_the_stats_even
     assert info.num_pending == 1
 
 
-async def test_a_worker_reads_what_its_redelivered_task_ended_with_under_its_own_user(
-    secured: NatsServer, admin: Client
+async def test_a_worker_reads_what_its_redelivered_task_ended_with_through_the_router(
+    secured: NatsServer, admin: Client, runner: ServiceRunner
 ) -> None:
     """A worker handed its task again (it was out of touch, or restarted) looks for an outcome
-    already stored before running it; every read that takes is one its user may make."""
+    already stored before running it. Its user may not read the event log (a ``*`` in a
+    direct get's subject reads every task's answer): the router reads for it, the tasks
+    routed to it only."""
     ajs = admin.jetstream()
-    ended = TaskCompleted(
-        at=time.time(),
-        task_id="t1",
-        attempt=1,
-        worker=WORKER,
-        model="qwen2.5:0.5b",
-        response="2",
-        durations=Durations(total_ms=1.0),
-    )
-    await publish_event(ajs, ended, by=WORKER)
+
+    def ended(task_id: str, by: str) -> TaskCompleted:
+        return TaskCompleted(
+            at=time.time(),
+            task_id=task_id,
+            attempt=1,
+            worker=by,
+            model="qwen2.5:0.5b",
+            response=f"the answer to {task_id}",
+            durations=Durations(total_ms=1.0),
+        )
+
+    for task_id, to in (("t1", WORKER), ("t2", WORKER), ("t3", WORKER), ("t4", "cpu2")):
+        routed = TaskRouted(
+            at=time.time(), task_id=task_id, attempt=1, worker=to, queue=f"tasks.cpu.{to}"
+        )
+        await publish_event(ajs, routed)
+    answered = ended("t1", WORKER)
+    await publish_event(ajs, answered, by=WORKER)
     failed = TaskFailed(at=time.time(), task_id="t2", attempt=1, code="no_worker", reason="none")
     await publish_event(ajs, failed)
+    await publish_event(ajs, ended("t4", "cpu2"), by="cpu2")  # another worker's task
+    runner.router(secured.url, nats_user="router", nats_password=password("router"))
 
     errors = Violations()
     nc = await connect_as(secured, f"worker-{WORKER}", errors)
     try:
-        js = nc.jetstream(timeout=2.0)
-        [(completed, source, _)] = await stored_ends(js, "t1")
-        [(by_router, router_source, _)] = await stored_ends(js, "t2")
-        assert await stored_ends(js, "t3") == []
+        reads = RouterReads(nc)
+
+        async def router_answers() -> list[Sourced] | None:
+            try:
+                return await stored_ends(reads, "t1")
+            except NoResponder:
+                return None  # the router is starting
+
+        [(completed, source, _)] = await eventually(router_answers)
+        [(by_router, router_source, _)] = await stored_ends(reads, "t2")
+        assert await stored_ends(reads, "t3") == []
+        assert await stored_ends(reads, "t4") == []  # not routed to it: as if there were none
+        for wrong in ("events.task.*.*.completed", "events.task.t1.submitted", "events.>"):
+            with pytest.raises(BadRequest, match="not a task event a worker reads"):
+                await reads.last(wrong)
+        # Read itself, every task's last answer would come back: refused by the server.
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.request("$JS.API.DIRECT.GET.EVENTS.events.task.*.*.completed", timeout=1)
+        assert errors.about("$JS.API.DIRECT.GET.EVENTS.events.task.*.*.completed")
     finally:
         await nc.close()
-    assert (completed, source) == (ended, WORKER)
+    assert (completed, source) == (answered, WORKER)
     assert (by_router, router_source) == (failed, None)
-    assert errors.seen == []
 
 
 async def test_services_look_streams_up_and_only_setup_makes_or_changes_them(

@@ -12,6 +12,7 @@ import nacl.exceptions
 import nacl.signing
 import pytest
 
+from schemas.subjects import InvalidId, task_of_readable_event
 from services.cli.identities import Store
 from services.cli.nats_jwt import Keys, public_key
 from services.cli.permissions import role_permissions
@@ -28,6 +29,7 @@ from services.fleet.identity import (
     identity_of_creds,
     is_operator,
     jwt_of_creds,
+    may_read_task_events,
     may_see,
 )
 
@@ -200,3 +202,59 @@ def test_a_task_is_seen_by_who_asked_and_the_operator_only(
     task: Owner, viewer: Owner, sees: bool
 ) -> None:
     assert may_see(task, viewer) is sees
+
+
+@pytest.mark.parametrize(
+    ("subject", "task_id"),
+    [
+        ("events.task.t1.routed", "t1"),
+        ("events.task.t1.failed", "t1"),
+        ("events.task.t1.*.completed", "t1"),
+        ("events.task.t1.cpu1.started", "t1"),
+        ("events.task.t1.*.failed", "t1"),
+    ],
+)
+def test_a_worker_reads_the_events_of_one_named_task(subject: str, task_id: str) -> None:
+    assert task_of_readable_event(subject) == task_id
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "events.task.*.*.completed",  # every task's last answer
+        "events.task.>",
+        "events.task.t1.submitted",  # the prompt
+        "events.task.t1.*.submitted",
+        "events.task.t1.>.completed",
+        "events.task.t1.routed.x",
+        "events.stats.alias.set",
+        "events.task.t1",
+    ],
+)
+def test_no_other_subject_is_read_for_a_worker(subject: str) -> None:
+    with pytest.raises(InvalidId):
+        task_of_readable_event(subject)
+
+
+@pytest.mark.parametrize(
+    ("reader", "routed_to", "may"),
+    [
+        ("worker-cpu1", {"cpu1"}, True),
+        ("worker-cpu1", {"gpu1", "cpu1"}, True),  # moved off it: it still learns so
+        ("worker-cpu1", {"gpu1"}, False),
+        ("worker-cpu1", {"shared"}, True),  # the shared CPU pool, which every worker pulls
+        ("worker-cpu1", {"web"}, False),
+        ("web-s1", {"web"}, True),
+        ("web-s1", {"shared"}, False),
+        ("web-s1", {"s1"}, True),
+        ("alice", {"cpu1"}, False),
+        ("router-a", {"cpu1"}, False),  # it reads the log itself
+        ("operator-ann", set(), True),
+        (None, set(), True),  # a bus without identities
+        ("worker-", {""}, False),
+    ],
+)
+def test_a_tasks_events_are_read_for_the_workers_it_was_routed_to(
+    reader: str | None, routed_to: set[str], may: bool
+) -> None:
+    assert may_read_task_events(reader, routed_to) is may
