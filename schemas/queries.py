@@ -91,6 +91,19 @@ class LastEvent(Wire, frozen=True, kw_only=True):
     data: bytes
 
 
+class OwnConsumerQuery(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``coordinator.consumer.own``: make (or set back as fixed) a worker's own consumer."""
+
+    worker_id: str
+    ack_wait_s: float
+    """Its ``ACK_WAIT_S``: how long a task it holds waits for a sign of life."""
+
+
+class OwnConsumer(Wire, frozen=True, kw_only=True):
+    consumer: str
+    ack_wait_s: float
+
+
 class WorkersReply(Wire, frozen=True, kw_only=True):
     workers: list[WorkerView]
     aliases: dict[str, str] = msgspec.field(default_factory=dict)

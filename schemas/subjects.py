@@ -67,6 +67,9 @@ WORKERS: Final = "coordinator.workers"
 # A task's last event of one kind, for a worker that may not read the event log itself (one
 # with an identity): the router reads it, for the workers the task was routed to.
 LAST_EVENT: Final = "coordinator.event.last"
+# A worker with credentials may not make or change its own consumer (its limits, as
+# `max_ack_pending`, are the fleet's): the router makes it, as fixed, for that worker only.
+OWN_CONSUMER: Final = "coordinator.consumer.own"
 # The reaper's NATS micro service (it answers `$SRV.PING.coordinator-reaper`, so the router and
 # `coordinator health` can tell it runs) and its status endpoint.
 REAPER_SERVICE: Final = "coordinator-reaper"

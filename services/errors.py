@@ -166,6 +166,13 @@ class NotFound(CoordinatorError):
     http_status = 404
 
 
+class Forbidden(CoordinatorError):
+    """The asker's identity may not ask this (another worker's consumer, say)."""
+
+    code = "forbidden"
+    http_status = 403
+
+
 class WaitTimeout(CoordinatorError):
     code = "timeout"
     http_status = failed_http_status = 504

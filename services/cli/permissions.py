@@ -22,6 +22,7 @@ from schemas.subjects import (
     GATEWAY_KEYS_BUCKET,
     LAST_EVENT,
     LEADERS_BUCKET,
+    OWN_CONSUMER,
     REAPER_ROLE,
     REAPER_SERVICE,
     REAPER_STATUS,
@@ -44,7 +45,6 @@ from schemas.subjects import (
     check_worker_id,
     inbox_prefix,
     worker_consumer,
-    worker_queue_filter,
 )
 from services.cli.roles import DEPLOY_DIR, PER_WORKER
 from services.errors import ConfigError
@@ -153,13 +153,14 @@ def role_permissions(
             raise ConfigError(str(exc)) from None
     if role == "worker":
         assert worker_id is not None
-        own, queues = worker_consumer(worker_id), worker_queue_filter(worker_id)
+        own = worker_consumer(worker_id)
         return Permissions(
             publish=[
                 *_stream_info(TASKS_STREAM, EVENTS_STREAM, _kv(WORKERS_BUCKET), _kv(ASLEEP_BUCKET)),
-                # Its own consumer, only with its own queues as the filter. The shared CPU
-                # pool's consumer is made by `coordinator setup`: a worker only pulls from it.
-                f"$JS.API.CONSUMER.CREATE.{TASKS_STREAM}.{own}.{queues}",
+                # It makes no consumer, its own included (whose limits are the fleet's: the
+                # router makes it, `OWN_CONSUMER`); the shared CPU pool's is made by
+                # `coordinator setup`. It only pulls them, and reads their info.
+                OWN_CONSUMER,
                 *(
                     f"$JS.API.CONSUMER.{verb}.{TASKS_STREAM}.{name}"
                     for verb in ("INFO", "MSG.NEXT")
@@ -205,6 +206,8 @@ def role_permissions(
                 f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.>",
                 # Removing a task a woken worker never started.
                 f"$JS.API.STREAM.MSG.DELETE.{TASKS_STREAM}",
+                # A worker's own consumer, made as the fleet fixes it (`OWN_CONSUMER`).
+                f"$JS.API.CONSUMER.CREATE.{TASKS_STREAM}.*.tasks.*.*",
                 "tasks.>",
                 *(f"events.task.*.{kind}" for kind in ("submitted", "routed", "failed")),
                 "events.worker.*.wake_requested",
@@ -226,6 +229,7 @@ def role_permissions(
                 WORKERS,
                 "coordinator.cancel",
                 LAST_EVENT,
+                OWN_CONSUMER,
                 ROUTER_HOLDS,
                 "events.task.>",
                 "events.worker.*.duplicate",

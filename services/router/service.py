@@ -42,6 +42,7 @@ from schemas.subjects import (
     CANCEL,
     CHUNKS,
     LAST_EVENT,
+    OWN_CONSUMER,
     ROUTE,
     STATS_BUCKET,
     WORKERS,
@@ -58,6 +59,7 @@ from services.fleet.binding import refusal
 from services.fleet.identity import Owner, is_operator, may_see
 from services.router.backlog import Backlog
 from services.router.cancelling import Canceller
+from services.router.consumers import own_consumer
 from services.router.decide import Plan, Submission, decide, submission
 from services.router.ending import recheck_ends
 from services.router.eventreads import last_event
@@ -197,15 +199,16 @@ class Router:
         await add_endpoint(self._service, "route", ROUTE, self.handle_route, self.tasks)
         await add_endpoint(self._service, "workers", WORKERS, self.handle_workers, self.tasks)
         await add_endpoint(self._service, "cancel", CANCEL, self.canceller.handle, self.tasks)
-        await add_endpoint(
-            self._service,
-            "last-event",
-            LAST_EVENT,
-            functools.partial(last_event, self.js),
-            self.tasks,
-        )
+        # What a worker with credentials may not do itself: read its tasks' events, make its
+        # own consumer.
+        for name, subject, handler in (
+            ("last-event", LAST_EVENT, last_event),
+            ("own-consumer", OWN_CONSUMER, own_consumer),
+        ):
+            endpoint = functools.partial(handler, self.js)
+            await add_endpoint(self._service, name, subject, endpoint, self.tasks)
         await flush_written(self.nc)  # in place for every client before anyone is told
-        log.info("router ready", subjects=[ROUTE, WORKERS, CANCEL, LAST_EVENT])
+        log.info("router ready", subjects=[ROUTE, WORKERS, CANCEL, LAST_EVENT, OWN_CONSUMER])
 
     async def stop(self) -> None:
         """Stop answering and following; every step bounded, none raising (the bus may be

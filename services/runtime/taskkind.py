@@ -42,9 +42,10 @@ class LoopSettings:
     # The watchdog's limit (`services.runtime.watchdog`), for a worker that is its own
     # process; None: no watchdog.
     watchdog_s: float | None = None
-    # A worker with credentials (an identity, a password user) may not read the event log:
-    # it asks the router about its tasks (`services.runtime.outcomes.RouterReads`).
-    reads_via_router: bool = False
+    # A worker with credentials (an identity, a password user) asks the router for what its
+    # permissions keep it from doing itself: read its tasks' events
+    # (`services.runtime.outcomes.RouterReads`), make its own consumer (`own_consumer`).
+    through_router: bool = False
 
 
 class WorkerIdentity(Protocol):
@@ -87,7 +88,7 @@ def loop_settings(
         sleep=sleep,
         wol_mac=wol_mac,
         watchdog_s=watchdog_s,
-        reads_via_router=settings.nats_auth().proves_who(),
+        through_router=settings.nats_auth().proves_who(),
     )
 
 

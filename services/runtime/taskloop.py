@@ -62,7 +62,7 @@ from services import __version__
 from services.errors import LeaseLost
 from services.runtime.acks import ACK, NAK, STOP_SETTLE_S, recover_lost_delivery, settle
 from services.runtime.bus import answered, ensure_streams, flush_written, publish_event
-from services.runtime.consumers import Queue, bind
+from services.runtime.consumers import Queue, bind, own_consumer
 from services.runtime.lease import Lease, deregister
 from services.runtime.lifecycle import stop_within
 from services.runtime.pull import holds_delivery, pull_one
@@ -168,6 +168,8 @@ class TaskLoop:
         # Before the first task can arrive, so no cancel for a task taken here is missed.
         self._cancel_sub = await self.nc.subscribe(CANCEL_NOTICES, cb=self.runner.on_cancel)
         queues = self.kind.queues()
+        if s.through_router and any(queue.one_at_a_time for queue in queues):
+            await own_consumer(self.nc, s.worker_id, s.ack_wait_s)
         sources = [
             Source(
                 queue,

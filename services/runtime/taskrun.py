@@ -65,7 +65,7 @@ class TaskRunner:
         self.js = js
         # Where the task's events are read: the log itself, or the router for a worker with
         # credentials, which may not read it (`services.runtime.outcomes.RouterReads`).
-        self.reads: Reads = RouterReads(nc) if settings.reads_via_router else js
+        self.reads: Reads = RouterReads(nc) if settings.through_router else js
         self.kind = kind
         self.settings = settings
         self.registry: KeyValue | None = None  # the workers bucket, once the loop has it

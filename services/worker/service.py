@@ -21,7 +21,6 @@ from opentelemetry import trace
 from schemas.events import Durations, TaskCompleted, TaskFailed
 from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing, needs_of
 from schemas.route import ToolCall
-from schemas.subjects import worker_consumer, worker_queue_filter
 from schemas.tasks import TaskMessage
 from schemas.work import Work
 from services.backends import Backend, Embedding, Generation, OnChunk, Progress, embedding_work
@@ -30,7 +29,7 @@ from services.errors import BackendError, BackendUnavailable, ConfigError
 from services.fleet.health import HealthPolicy
 from services.runtime.aliases import AliasFollower
 from services.runtime.bus import connect
-from services.runtime.consumers import CPU_POOL, Queue
+from services.runtime.consumers import CPU_POOL, Queue, own_queue
 from services.runtime.lifecycle import close_bus, stop_within
 from services.runtime.settings import WorkerSettings
 from services.runtime.sleep import SleepPolicy
@@ -191,7 +190,7 @@ class Inference:
         """The worker's own queues (one task in flight, enforced by the server), then the
         shared CPU queue for CPU workers (every such worker binds the same consumer)."""
         worker_id = self.settings.worker_id
-        own = Queue(worker_consumer(worker_id), worker_queue_filter(worker_id), 1)
+        own = own_queue(worker_id)
         if not self.settings.shared_queue or "cpu_inference" not in self.supports:
             return [own]
         return [own, CPU_POOL]

@@ -21,6 +21,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from structlog.testing import capture_logs
@@ -28,7 +29,15 @@ from structlog.testing import capture_logs
 from benchmarks.up_stop import up_env
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
-from schemas.subjects import CANCEL, ROUTE, TASK, TASKS_STREAM, WORKERS, worker_consumer
+from schemas.subjects import (
+    CANCEL,
+    OWN_CONSUMER,
+    ROUTE,
+    TASK,
+    TASKS_STREAM,
+    WORKERS,
+    worker_consumer,
+)
 from services.cli.health import setup_streams
 from services.cli.identities import Store
 from services.fleet.identity import decode_token
@@ -566,3 +575,56 @@ async def ask_queued(nc: Client, prompt: str) -> str:
 
     task_id: str = await eventually(queued, timeout_s=30.0, interval_s=0.3)
     return task_id
+
+
+async def test_a_worker_cannot_lift_its_own_limit_and_the_router_sets_it_back(
+    ready: Fleet, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """One task at a time is the fleet's: a worker's identity may not make or change its own
+    consumer; the router makes it as fixed, for that worker only, and sets it back when the
+    worker starts."""
+    url = ready.server.url
+    runner.router(url, nats_creds=str(ready.creds("router", "r1")))
+    admin = await connect_as(ready, ready.creds("operator", "ann"))
+    ajs = admin.jetstream()
+    # Lifted behind the fleet's back (a consumer as an older worker made it, say).
+    await ajs.add_consumer(TASKS_STREAM, own_queue_config("cpu1", max_ack_pending=50))
+    errors = Errors()
+    creds = ready.creds("worker", "cpu1")
+    worker = await connect_as(ready, creds, errors)
+    try:
+        js = worker.jetstream(timeout=1.0)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.add_consumer(TASKS_STREAM, own_queue_config("cpu1", max_ack_pending=99))
+        assert any("permissions violation" in e for e in errors.seen), errors.seen
+        body = {"worker_id": "gpu1", "ack_wait_s": 30.0}
+        assert await code_of(worker, OWN_CONSUMER, body) == "forbidden"
+        assert await code_of(worker, OWN_CONSUMER, {**body, "worker_id": "a.b"}) == "bad_request"
+        assert await code_of(worker, OWN_CONSUMER, {**body, "ack_wait_s": 0}) == "bad_request"
+    finally:
+        await worker.close()
+    runner.worker(url, ollama.url, "cpu1", nats_creds=str(creds))
+    alice = await connect_as(ready, ready.creds("client", "alice"))
+    try:
+        assert (await ask(alice, "one at a time"))["worker"] == "cpu1"
+    finally:
+        await alice.close()
+    try:
+        info = await ajs.consumer_info(TASKS_STREAM, "worker-cpu1")
+        assert info.config.max_ack_pending == 1
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await ajs.consumer_info(TASKS_STREAM, "worker-gpu1")  # never made for another
+    finally:
+        await admin.close()
+
+
+def own_queue_config(worker_id: str, *, max_ack_pending: int) -> Any:
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    return ConsumerConfig(
+        name=f"worker-{worker_id}",
+        durable_name=f"worker-{worker_id}",
+        filter_subject=f"tasks.*.{worker_id}",
+        ack_policy=AckPolicy.EXPLICIT,
+        max_ack_pending=max_ack_pending,
+    )

@@ -5,6 +5,7 @@ another worker's queue nor read the statistics' events."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -248,16 +249,17 @@ async def test_a_worker_cannot_use_another_workers_queue_nor_read_the_stats_even
     errors = Violations()
     nc = await connect_as(secured, f"worker-{WORKER}", errors)
     js = nc.jetstream(timeout=1.0)
+    own = ConsumerConfig(
+        name=f"worker-{WORKER}",
+        durable_name=f"worker-{WORKER}",
+        filter_subject=f"tasks.*.{WORKER}",
+        ack_policy=AckPolicy.EXPLICIT,
+        max_ack_pending=1,
+    )
+    await ajs.add_consumer(TASKS_STREAM, own)  # as the router makes it for the worker
     try:
-        # What it may: its own queue, its own events, the alias map.
-        own = ConsumerConfig(
-            name=f"worker-{WORKER}",
-            durable_name=f"worker-{WORKER}",
-            filter_subject=f"tasks.*.{WORKER}",
-            ack_policy=AckPolicy.EXPLICIT,
-            max_ack_pending=1,
-        )
-        await js.add_consumer(TASKS_STREAM, own)
+        # What it may: pull its own queue (never make or change it), its own events, the
+        # alias map.
         mine = await js.pull_subscribe_bind(durable=f"worker-{WORKER}", stream=TASKS_STREAM)
         await ajs.publish(f"tasks.cpu.{WORKER}", b"{}")
         [msg] = await mine.fetch(1, timeout=2.0)
@@ -273,6 +275,8 @@ async def test_a_worker_cannot_use_another_workers_queue_nor_read_the_stats_even
         others = await js.pull_subscribe_bind(durable="worker-cpu2", stream=TASKS_STREAM)
         attempts = [
             js.publish("tasks.cpu.cpu2", b"{}"),
+            # Its own consumer with its limit lifted: one task at a time is the fleet's.
+            js.add_consumer(TASKS_STREAM, dataclasses.replace(own, max_ack_pending=50)),
             js.add_consumer(
                 TASKS_STREAM, ConsumerConfig(name=f"worker-{WORKER}", filter_subject="tasks.*.cpu2")
             ),
@@ -303,6 +307,7 @@ async def test_a_worker_cannot_use_another_workers_queue_nor_read_the_stats_even
 
     for subject in (
         "tasks.cpu.cpu2",
+        "$JS.API.CONSUMER.CREATE.TASKS.worker-cpu1.tasks.*.cpu1",
         "$JS.API.CONSUMER.CREATE.TASKS.worker-cpu1.tasks.*.cpu2",
         "$JS.API.CONSUMER.MSG.NEXT.TASKS.worker-cpu2",
         "$JS.API.CONSUMER.CREATE.EVENTS",
@@ -317,9 +322,10 @@ async def test_a_worker_cannot_use_another_workers_queue_nor_read_the_stats_even
         'publish to "events.task.t1.failed"',
     ):
         assert errors.about(subject), (subject, errors.seen)
-    # The other worker's task is still there, untouched.
+    # The other worker's task is still there, untouched; its own limit stands.
     info = await ajs.consumer_info(TASKS_STREAM, "worker-cpu2")
     assert info.num_pending == 1
+    assert (await ajs.consumer_info(TASKS_STREAM, f"worker-{WORKER}")).config.max_ack_pending == 1
 
 
 async def test_a_worker_reads_what_its_redelivered_task_ended_with_through_the_router(

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 import yaml
 
+from schemas.subjects import LAST_EVENT, OWN_CONSUMER
 from services.cli.cluster import (
     EXAMPLE_CLUSTER,
     EXAMPLE_NODES,
@@ -216,9 +217,13 @@ def test_the_committed_nats_configuration_is_the_rendering_of_the_permissions() 
     )
 
 
-def test_a_worker_may_create_its_own_consumer_and_publish_no_task() -> None:
+def test_a_worker_makes_no_consumer_reads_no_event_and_publishes_no_task() -> None:
     worker = role_permissions("worker", "cpu1")
-    assert "$JS.API.CONSUMER.CREATE.TASKS.worker-cpu1.tasks.*.cpu1" in worker.publish
+    # Its own consumer's limits are the fleet's: the router makes it (OWN_CONSUMER).
+    assert not [s for s in worker.publish if ".CONSUMER.CREATE.TASKS" in s]
+    assert OWN_CONSUMER in worker.publish and LAST_EVENT in worker.publish
+    # No direct get: a `*` in the task's place would read every task's last answer.
+    assert not [s for s in worker.publish if s.startswith("$JS.API.DIRECT.GET.EVENTS")]
     assert not [s for s in worker.publish if s.startswith("tasks.")]
     assert not [s for s in worker.subscribe if s.startswith("events.")]
     with pytest.raises(ConfigError):
