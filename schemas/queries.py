@@ -104,6 +104,12 @@ class OwnConsumer(Wire, frozen=True, kw_only=True):
     ack_wait_s: float
 
 
+class AliasMap(Wire, frozen=True, kw_only=True):
+    """``coordinator.router.aliases``: every alias with the name it stands for."""
+
+    aliases: dict[str, str]
+
+
 class WorkersReply(Wire, frozen=True, kw_only=True):
     workers: list[WorkerView]
     aliases: dict[str, str] = msgspec.field(default_factory=dict)

@@ -70,6 +70,9 @@ LAST_EVENT: Final = "coordinator.event.last"
 # A worker with credentials may not make or change its own consumer (its limits, as
 # `max_ack_pending`, are the fleet's): the router makes it, as fixed, for that worker only.
 OWN_CONSUMER: Final = "coordinator.consumer.own"
+# The alias map as the router follows it: what a worker with credentials asks, which may not
+# follow the alias events itself (a consumer on `EVENTS` per follow, without bound).
+ALIAS_MAP: Final = "coordinator.router.aliases"
 # The reaper's NATS micro service (it answers `$SRV.PING.coordinator-reaper`, so the router and
 # `coordinator health` can tell it runs) and its status endpoint.
 REAPER_SERVICE: Final = "coordinator-reaper"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from schemas.subjects import (
+    ALIAS_MAP,
     ALIASES,
     ASLEEP_BUCKET,
     CANCEL,
@@ -174,12 +175,11 @@ def role_permissions(
                 f"$KV.{ASLEEP_BUCKET}.{worker_id}",
                 *_REGISTRY_READS,
                 *_OUTCOME_READS,
-                *_ALIASES,
+                # The alias map, from the router: no consumer on EVENTS of its own.
+                ALIAS_MAP,
                 # Streamed answers, for the router to pass on (never a client's inbox).
                 f"coordinator.chunk.{worker_id}.*",
             ],
-            # The stats service's durable consumer on EVENTS must not be re-filtered.
-            publish_deny=[f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.{STATS_CONSUMER}.>"],
             subscribe=[_own_inbox(user), "coordinator.cancel.*"],
         )
     if role == "web-search":
@@ -230,6 +230,7 @@ def role_permissions(
                 "coordinator.cancel",
                 LAST_EVENT,
                 OWN_CONSUMER,
+                ALIAS_MAP,
                 ROUTER_HOLDS,
                 "events.task.>",
                 "events.worker.*.duplicate",

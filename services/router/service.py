@@ -34,10 +34,12 @@ from schemas.events import (
     task_event_decoder,
 )
 from schemas.models import resolve_name
+from schemas.queries import AliasMap
 from schemas.route import (
     RouteRequest,
 )
 from schemas.subjects import (
+    ALIAS_MAP,
     ASLEEP_BUCKET,
     CANCEL,
     CHUNKS,
@@ -200,15 +202,19 @@ class Router:
         await add_endpoint(self._service, "workers", WORKERS, self.handle_workers, self.tasks)
         await add_endpoint(self._service, "cancel", CANCEL, self.canceller.handle, self.tasks)
         # What a worker with credentials may not do itself: read its tasks' events, make its
-        # own consumer.
+        # own consumer, follow the aliases.
         for name, subject, handler in (
             ("last-event", LAST_EVENT, last_event),
             ("own-consumer", OWN_CONSUMER, own_consumer),
         ):
             endpoint = functools.partial(handler, self.js)
             await add_endpoint(self._service, name, subject, endpoint, self.tasks)
+        await add_endpoint(self._service, "aliases", ALIAS_MAP, self.handle_aliases, self.tasks)
         await flush_written(self.nc)  # in place for every client before anyone is told
-        log.info("router ready", subjects=[ROUTE, WORKERS, CANCEL, LAST_EVENT, OWN_CONSUMER])
+        log.info(
+            "router ready",
+            subjects=[ROUTE, WORKERS, CANCEL, LAST_EVENT, OWN_CONSUMER, ALIAS_MAP],
+        )
 
     async def stop(self) -> None:
         """Stop answering and following; every step bounded, none raising (the bus may be
@@ -277,6 +283,10 @@ class Router:
         return resolve_name(asked, known, self.aliases.canonical)
 
     # -- endpoints -----------------------------------------------------------------------------
+
+    async def handle_aliases(self, body: bytes) -> bytes:
+        """The alias map as this router follows it (for workers that may not follow it)."""
+        return encoder.encode(AliasMap(aliases=dict(self.aliases.aliases)))
 
     async def handle_workers(self, body: bytes) -> bytes:
         query = parse_workers_query(body)

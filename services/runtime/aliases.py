@@ -5,8 +5,9 @@ request names; worker: served names) replays them from the stream at start and k
 following. The map itself and its rules live in `services.fleet.aliases` (pure).
 
 The ordered consumer is given a name, so its create request carries the filter in its subject
-(``$JS.API.CONSUMER.CREATE.EVENTS.<name>.events.stats.alias.>``): a worker's NATS user may
-create exactly such consumers, and so reads the alias events and no other event.
+(``$JS.API.CONSUMER.CREATE.EVENTS.<name>.events.stats.alias.>``), which a role's permissions
+can pin. A worker with credentials makes no consumer at all (one per follow would have no
+bound): it asks the router for the map instead (`AliasPoller`).
 """
 
 from __future__ import annotations
@@ -19,15 +20,19 @@ from typing import Any
 
 import msgspec
 import structlog
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 
 from schemas.events import ALIAS_EVENTS, AliasRemoved, AliasSet, any_event_decoder
-from schemas.subjects import EVENTS_STREAM
+from schemas.queries import AliasMap
+from schemas.subjects import ALIAS_MAP, EVENTS_STREAM
+from services.errors import CoordinatorError
 from services.fleet.aliases import resolve
 from services.runtime.bus import answered
+from services.runtime.request import call
 
 log = structlog.get_logger("aliases")
 
@@ -90,6 +95,49 @@ class AliasFollower:
             return
         if self.on_change is not None:
             self.on_change()
+
+
+class AliasPoller:
+    """The alias map as the router has it (`ALIAS_MAP`), asked again every ``every_s``: for a
+    worker with credentials, which makes no consumer on ``EVENTS``. Without a router to ask,
+    the names stay as they are until one answers."""
+
+    def __init__(self, nc: Client, every_s: float) -> None:
+        self.nc = nc
+        self.every_s = every_s
+        self.aliases: dict[str, str] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def canonical(self, name: str) -> str:
+        return resolve(self.aliases, name) if self.aliases else name
+
+    async def start(self, timeout_s: float = 10.0) -> None:
+        """Ask once (waiting up to ``timeout_s`` for a router), then keep asking."""
+        with suppress(CoordinatorError):
+            await self._ask(unserved_s=timeout_s)
+        self._task = asyncio.create_task(self._keep(), name="aliases")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+
+    async def _keep(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            try:
+                await self._ask(unserved_s=None)
+            except CoordinatorError as exc:  # no router just now: the map stays as it was
+                log.debug("alias map not read", error=str(exc))
+
+    async def _ask(self, unserved_s: float | None) -> None:
+        reply = await call(self.nc, ALIAS_MAP, b"{}", ALIAS_MAP_TIMEOUT_S, unserved_s=unserved_s)
+        self.aliases = msgspec.json.decode(reply, type=AliasMap).aliases
+
+
+ALIAS_MAP_TIMEOUT_S = 5.0
 
 
 def consumer_name(prefix: str) -> str:

@@ -27,7 +27,7 @@ from services.backends import Backend, Embedding, Generation, OnChunk, Progress,
 from services.backends.choose import make_backend
 from services.errors import BackendError, BackendUnavailable, ConfigError
 from services.fleet.health import HealthPolicy
-from services.runtime.aliases import AliasFollower
+from services.runtime.aliases import AliasFollower, AliasPoller
 from services.runtime.bus import connect
 from services.runtime.consumers import CPU_POOL, Queue, own_queue
 from services.runtime.lifecycle import close_bus, stop_within
@@ -56,7 +56,13 @@ class Inference:
         self.served: list[str] = []
         # What the backend says of each served model, by its served name.
         self.served_facts: dict[str, ModelFacts] = {}
-        self.aliases = AliasFollower(nc.jetstream())
+        # A worker with credentials asks the router for the map (it makes no consumer on
+        # EVENTS); on a bus without users it follows the alias events itself.
+        self.aliases: AliasFollower | AliasPoller = (
+            AliasPoller(nc, settings.heartbeat_interval_s)
+            if settings.nats_auth().proves_who()
+            else AliasFollower(nc.jetstream())
+        )
         self.probe = BackendProbe(
             backend,
             HealthPolicy(

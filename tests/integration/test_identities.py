@@ -29,6 +29,7 @@ from structlog.testing import capture_logs
 from benchmarks.up_stop import up_env
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
+from schemas.events import AliasSet
 from schemas.subjects import (
     CANCEL,
     OWN_CONSUMER,
@@ -41,6 +42,7 @@ from schemas.subjects import (
 from services.cli.health import setup_streams
 from services.cli.identities import Store
 from services.fleet.identity import decode_token
+from services.runtime.bus import publish_event
 from services.runtime.settings import NatsAuth
 from services.stats.service import run as run_stats
 from services.stats.settings import StatsSettings
@@ -628,3 +630,24 @@ def own_queue_config(worker_id: str, *, max_ack_pending: int) -> Any:
         ack_policy=AckPolicy.EXPLICIT,
         max_ack_pending=max_ack_pending,
     )
+
+
+async def test_a_worker_with_an_identity_takes_the_alias_map_from_the_router(
+    ready: Fleet, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """It makes no consumer on EVENTS to follow the alias events: the router, which follows
+    them, hands it the map; it registers the canonical name and runs the one it serves."""
+    url = ready.server.url
+    stats = await connect_as(ready, ready.creds("stats", "s1"))  # as `alias add` records it
+    await publish_event(stats.jetstream(), AliasSet(at=time.time(), alias=MODEL, canonical="tiny"))
+    await stats.close()
+    runner.router(url, nats_creds=str(ready.creds("router", "r1")))
+    runner.worker(url, ollama.url, "cpu1", nats_creds=str(ready.creds("worker", "cpu1")))
+    alice = await connect_as(ready, ready.creds("client", "alice"))
+    try:
+        [worker] = await workers_live(alice, 1, timeout_s=30)
+        assert "tiny" in worker["models"] and MODEL not in worker["models"], worker
+        reply = await ask(alice, "by its canonical name", model="tiny")
+        assert (reply["status"], reply["worker"]) == ("done", "cpu1")
+    finally:
+        await alice.close()

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import yaml
 
-from schemas.subjects import LAST_EVENT, OWN_CONSUMER
+from schemas.subjects import ALIAS_MAP, LAST_EVENT, OWN_CONSUMER
 from services.cli.cluster import (
     EXAMPLE_CLUSTER,
     EXAMPLE_NODES,
@@ -220,8 +220,9 @@ def test_the_committed_nats_configuration_is_the_rendering_of_the_permissions() 
 def test_a_worker_makes_no_consumer_reads_no_event_and_publishes_no_task() -> None:
     worker = role_permissions("worker", "cpu1")
     # Its own consumer's limits are the fleet's: the router makes it (OWN_CONSUMER).
-    assert not [s for s in worker.publish if ".CONSUMER.CREATE.TASKS" in s]
-    assert OWN_CONSUMER in worker.publish and LAST_EVENT in worker.publish
+    # Nor one on EVENTS: the alias map comes from the router too (ALIAS_MAP).
+    assert not [s for s in worker.publish if ".CONSUMER.CREATE." in s]
+    assert {OWN_CONSUMER, LAST_EVENT, ALIAS_MAP} <= set(worker.publish)
     # No direct get: a `*` in the task's place would read every task's last answer.
     assert not [s for s in worker.publish if s.startswith("$JS.API.DIRECT.GET.EVENTS")]
     assert not [s for s in worker.publish if s.startswith("tasks.")]
