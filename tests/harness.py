@@ -28,6 +28,7 @@ from nats.js.errors import NotFoundError
 from schemas.route import ErrorBody
 from services.router.service import run as run_router
 from services.router.settings import RouterSettings
+from services.runtime.lifecycle import set_current_stop
 from services.runtime.settings import WorkerSettings
 from services.stats.settings import StatsSettings
 from services.worker.service import run as run_worker
@@ -69,7 +70,13 @@ class ServiceRunner:
         self, fn: Callable[[Any, asyncio.Event], Coroutine[Any, Any, None]], settings: Any
     ) -> asyncio.Task[None]:
         stop = asyncio.Event()
-        task = asyncio.create_task(fn(settings, stop))
+
+        async def service() -> None:
+            # As in its own process: it waits for the bus until its stop, never just once.
+            set_current_stop(stop)
+            await fn(settings, stop)
+
+        task = asyncio.create_task(service())
         task.add_done_callback(functools.partial(_report_end, fn.__module__, stop))
         self._running.append((stop, task))
         return task

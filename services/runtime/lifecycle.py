@@ -55,6 +55,13 @@ def install_stop_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, _on_signal, stop, sig)
+    set_current_stop(stop)
+
+
+def set_current_stop(stop: asyncio.Event) -> None:
+    """Make ``stop`` this task's `current_stop` (and that of the tasks it starts) without
+    the signals: a service run as a task beside others (the tests run each so) then waits
+    for the bus as it would in its own process, until its own stop."""
     _stop_event.set(stop)
 
 

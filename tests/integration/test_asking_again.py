@@ -15,6 +15,7 @@ import msgspec
 import nats
 import pytest
 from nats.aio.client import Client
+from structlog.testing import capture_logs
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer, nats_server_binary, wait_for_port
@@ -240,3 +241,36 @@ async def test_the_cli_asks_again_and_then_fails_clearly_and_a_change_is_asked_o
     assert changed.stderr.splitlines() == [
         "error no_responder: no service answers coordinator.stats.alias.add: is the stack running?"
     ]
+
+
+async def test_a_worker_started_while_jetstream_is_away_waits_for_it_as_in_its_own_process(
+    nats_server: NatsServer, client: Client, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """A service run beside others waits for JetStream until its own stop, as it does in its
+    own process: it never gives up at the first unanswered request (the harness once ran its
+    services as one-shot commands, and a worker whose consumer's creation went unanswered
+    during a test's outage ended, failing a later task for want of it)."""
+    runner.router(nats_server.url)
+    bare = await asyncio.to_thread(take_jetstream_away, nats_server)
+    try:
+        with capture_logs() as logs:
+            worker = runner.worker(nats_server.url, ollama.url, "cpu-1")
+
+            async def waiting() -> bool:
+                return any(e["event"] == "JetStream does not answer; asking again" for e in logs)
+
+            await eventually(waiting, timeout_s=30)
+        assert not worker.done()
+    finally:
+        await asyncio.to_thread(bring_jetstream_back, nats_server, bare)
+    await workers_live(client, 1, timeout_s=30)
+    reply = await asyncio.wait_for(
+        route_reply(
+            client,
+            {"prompt": "2+3", "model": MODEL, "wait": True, "task_id": new_task_id()},
+            Unserved(),
+            PATIENT_S,
+        ),
+        PATIENT_S,
+    )
+    assert (reply.status, reply.response) == ("done", "5")
