@@ -66,6 +66,12 @@ def register(sub: Any) -> None:
         default="interactive",
         help="recorded with the key and its tasks' log lines (routing does not use it yet)",
     )
+    add.add_argument(
+        "--operator",
+        action="store_true",
+        help="the fleet's operator's key: the dashboard shows it every task's id (another "
+        "key sees its own tasks' only)",
+    )
     add.set_defaults(func=cmd_add)
 
     listing = actions.add_parser("list", help="the keys: name, priority, when made (never a key)")
@@ -81,7 +87,7 @@ def cmd_add(args: argparse.Namespace) -> int:
     if (bad := _bad_name(args.name)) is not None:
         return bad
     key = new_key()
-    record = make_record(args.name, key, args.priority, time.time())
+    record = make_record(args.name, key, args.priority, time.time(), operator=args.operator)
 
     async def go(kv: KeyValue | None, js: JetStreamContext) -> bool:
         assert kv is not None  # made when missing
@@ -126,17 +132,23 @@ def cmd_list(args: argparse.Namespace) -> int:
     records = _run(go)
     if args.json:
         shown = [
-            {"name": r.name, "priority": r.priority, "created_at": r.created_at} for r in records
+            {
+                "name": r.name,
+                "priority": r.priority,
+                "created_at": r.created_at,
+                "operator": r.operator,
+            }
+            for r in records
         ]
         print(_json.encode(shown).decode())
         return 0
     if not records:
         print("no gateway keys: the gateway requires none on loopback (`coordinator keys add`)")
         return 0
-    print(f"{'NAME':<24} {'PRIORITY':<12} CREATED")
+    print(f"{'NAME':<24} {'PRIORITY':<12} {'CREATED':<20} OPERATOR")
     for r in records:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created_at))
-        print(f"{r.name:<24} {r.priority:<12} {created}")
+        print(f"{r.name:<24} {r.priority:<12} {created:<20} {'yes' if r.operator else ''}")
     return 0
 
 

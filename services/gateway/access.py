@@ -32,6 +32,7 @@ log = structlog.get_logger("gateway")
 
 # The name of the key a request came in with (unset: no key is required).
 CLIENT: Final = web.RequestKey("client", str)
+OPERATOR: Final = web.RequestKey("operator", bool)
 # How long the gateway waits, at start, for the bucket's current keys.
 READY_TIMEOUT_S: Final = 10.0
 
@@ -110,6 +111,7 @@ class Access:
         if found is None:
             return await handler(request)
         request[CLIENT] = found.name
+        request[OPERATOR] = found.operator
         with structlog.contextvars.bound_contextvars(client=found.name, priority=found.priority):
             return await handler(request)
 
@@ -118,3 +120,9 @@ def client_of(request: web.Request) -> str | None:
     """The name of the key ``request`` came in with; None when none was required."""
     name: str | None = request.get(CLIENT)
     return name
+
+
+def sees_every_task(request: web.Request) -> bool:
+    """Whether ``request`` may see every task's id: it came in with the operator's key, or
+    through an open gateway (no key, and no task of one)."""
+    return request.get(CLIENT) is None or bool(request.get(OPERATOR))

@@ -25,7 +25,9 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from services.gateway.access import client_of, sees_every_task
 from services.gateway.common import encoder
+from services.gateway.dashboard_view import TASK_SECTIONS, for_key
 from services.gateway.feed import Feed
 
 # The files under static/ the page uses, with their types.
@@ -100,7 +102,8 @@ class Dashboard:
         feed = self.feed
         if not feed.encoded:
             feed.build(time.time())
-        body = b"{" + b",".join(b'"%s":%s' % (k.encode(), v) for k, v in feed.encoded.items())
+        encoded = {**feed.encoded, **self._for_viewer(request)}
+        body = b"{" + b",".join(b'"%s":%s' % (k.encode(), v) for k, v in encoded.items())
         samples = encoder.encode(list(feed.known.board.samples))
         body += b',"samples":' + samples + b"}"
         return web.Response(body=body, content_type="application/json", headers=SAFE_HEADERS)
@@ -122,10 +125,11 @@ class Dashboard:
         cursor = -1
         while not feed.closed:
             parts = []
-            for name, version in list(feed.versions.items()):
-                if sent.get(name) != version:
-                    sent[name] = version
-                    parts.append(frame(name, feed.encoded[name]))
+            changed = {n for n, v in list(feed.versions.items()) if sent.get(n) != v}
+            own = self._for_viewer(request) if changed & set(TASK_SECTIONS) else {}
+            for name in changed:
+                sent[name] = feed.versions[name]
+                parts.append(frame(name, own.get(name, feed.encoded[name])))
             board = feed.known.board
             newest = board.samples[-1].index if board.samples else 0
             if cursor < 0 or newest > cursor:
@@ -136,6 +140,15 @@ class Dashboard:
             await response.write(b"".join(parts) if parts else b": keep-alive\n\n")
             await feed.pulse.wait(KEEPALIVE_S)
         return response
+
+    def _for_viewer(self, request: web.Request) -> dict[str, bytes]:
+        """The sections naming tasks as this viewer sees them, encoded; none when it sees the
+        fleet's as built (the operator's key, an open gateway)."""
+        client = client_of(request)
+        if sees_every_task(request) or client is None or not self.feed.built:
+            return {}
+        own = for_key(self.feed.built, client, self.feed.known.board)
+        return {name: encoder.encode(value) for name, value in own.items()}
 
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus' text exposition format; the gauges' sources read fresh."""

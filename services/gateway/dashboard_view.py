@@ -263,6 +263,49 @@ def sections(known: Known, now: float, ttl_s: float) -> dict[str, Any]:
     }
 
 
+# The sections that name tasks: a key that is not the operator's sees its own tasks' ids only.
+TASK_SECTIONS: Final = ("workers", "tasks")
+# What a task's id reads as to a key it is not for: present (the worker is busy), not told.
+NOT_YOURS: Final = ""
+
+
+def for_key(built: dict[str, Any], client: str, board: TaskBoard) -> dict[str, Any]:
+    """`TASK_SECTIONS` of ``built`` (`sections`) as the key ``client`` sees them: another
+    key's (or a person's) task ids blanked, and their keys' names."""
+
+    def mine(task_id: str | None) -> bool:
+        line = board.line(task_id) if task_id else None
+        return line is not None and line.client == client
+
+    def end(row: EndRow) -> EndRow:
+        return row if mine(row.task_id) else msgspec.structs.replace(row, task_id=NOT_YOURS)
+
+    workers: list[WorkerRow] = built["workers"]
+    tasks: dict[str, Any] = built["tasks"]
+    return {
+        "workers": [
+            w
+            if w.current_task is None or mine(w.current_task)
+            else msgspec.structs.replace(w, current_task=NOT_YOURS)
+            for w in workers
+        ],
+        "tasks": {
+            "open": [
+                t if mine(t.task_id) else msgspec.structs.replace(t, task_id=NOT_YOURS, client=None)
+                for t in tasks["open"]
+            ],
+            "done": [end(e) for e in tasks["done"]],
+            "failures": [end(e) for e in tasks["failures"]],
+            "actions": [
+                a
+                if a.task_id is None or mine(a.task_id)
+                else msgspec.structs.replace(a, task_id=None)
+                for a in tasks["actions"]
+            ],
+        },
+    }
+
+
 def gauges(known: Known, now: float, ttl_s: float) -> Gauges:
     """The metrics' gauges: workers still in the registry, the open tasks, the log's state."""
     workers = [

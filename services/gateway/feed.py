@@ -118,6 +118,8 @@ class Feed:
         self.settings = settings
         self.known = Known(board=TaskBoard(supports=self._supports), bench=BenchHistory())
         self.metrics = FleetMetrics(lambda: gauges(self.known, time.time(), self.ttl_s))
+        # The sections as last built, and encoded (what every viewer but another key's gets).
+        self.built: dict[str, Any] = {}
         self.encoded: dict[str, bytes] = {}
         self.versions: dict[str, int] = {}
         self.pulse = Pulse()
@@ -372,7 +374,8 @@ class Feed:
     def build(self, now: float) -> bool:
         """Encode every section; whether any changed (its version goes up)."""
         changed = False
-        for name, value in sections(self.known, now, self.ttl_s).items():
+        self.built = sections(self.known, now, self.ttl_s)
+        for name, value in self.built.items():
             data = encoder.encode(value)
             if data != self.encoded.get(name):
                 self.encoded[name] = data

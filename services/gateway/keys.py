@@ -53,6 +53,9 @@ class KeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Recorded only, for now: routing does not order tasks by it."""
     created_at: float = 0.0
     """Unix time the key was made."""
+    operator: bool = False
+    """The fleet's operator's: the dashboard shows it every task's id, where another key sees
+    only its own tasks'."""
 
 
 record_decoder: Final = msgspec.json.Decoder(KeyRecord)
@@ -83,10 +86,16 @@ def check_key_name(name: str) -> str:
     return check_token("key name", name)
 
 
-def make_record(name: str, key: str, priority: Priority, now: float) -> KeyRecord:
+def make_record(
+    name: str, key: str, priority: Priority, now: float, *, operator: bool = False
+) -> KeyRecord:
     """The record of a new key ``key`` called ``name`` (checked)."""
     return KeyRecord(
-        name=check_key_name(name), sha256=key_hash(key), priority=priority, created_at=now
+        name=check_key_name(name),
+        sha256=key_hash(key),
+        priority=priority,
+        created_at=now,
+        operator=operator,
     )
 
 

@@ -45,11 +45,14 @@ async def cli(*args: str, env: dict[str, str]) -> Any:
     return await asyncio.to_thread(run_cli, *args, env=env)
 
 
-async def add_key(nc: Client, name: str, priority: Priority = "interactive") -> str:
+async def add_key(
+    nc: Client, name: str, priority: Priority = "interactive", *, operator: bool = False
+) -> str:
     """A key put straight into the bucket, as ``coordinator keys add`` puts it."""
     kv = await ensure_bucket(nc.jetstream(), GATEWAY_KEYS_BUCKET, ttl_s=None)
     key = new_key()
-    await kv.create(name, record_encoder.encode(make_record(name, key, priority, time.time())))
+    record = make_record(name, key, priority, time.time(), operator=operator)
+    await kv.create(name, record_encoder.encode(record))
     return key
 
 
@@ -450,3 +453,78 @@ async def test_a_keys_task_is_read_and_followed_with_that_key_only(
         # Nor through the bus, where nothing proves who asks but a key a request names.
         body, headers = await request(nc, TASK, {"task_id": task_id})
         assert headers.get("Nats-Service-Error-Code") == "not_found", body
+
+
+async def test_the_dashboard_shows_a_key_its_own_tasks_ids_and_the_operators_key_all(
+    nats_server: NatsServer, nc: Client, runner: ServiceRunner
+) -> None:
+    alice, bob = await add_key(nc, "alice"), await add_key(nc, "bob")
+    ops = await add_key(nc, "ops", operator=True)
+    with FakeOllama(models=[PLAIN]) as fake:
+        runner.router(nats_server.url)
+        runner.worker(nats_server.url, fake.url, "cpu-1")
+        url = await start_gateway(runner, nats_server.url)
+        await workers_live(nc, 1)
+        fake.configure(chunk_delay_s=0.3)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            asked = await http.post(
+                "/route",
+                json={"prompt": "a long one", "model": PLAIN},
+                headers=bearer(alice),
+            )
+            task_id = asked.json()["task_id"]
+
+            async def seen_by(key: str) -> dict[str, Any]:
+                state = await http.get("/dashboard/state", headers=bearer(key))
+                assert state.status_code == 200, state.text
+                body: dict[str, Any] = state.json()
+                return body
+
+            async def running() -> dict[str, Any] | None:
+                state = await seen_by(ops)
+                busy = [w for w in state["workers"] if w["current_task"] == task_id]
+                return state if busy and state["tasks"]["open"] else None
+
+            as_ops = await eventually(running, timeout_s=20)
+            as_alice, as_bob = await seen_by(alice), await seen_by(bob)
+            streamed = await first_frames(http, bob, {"workers", "tasks"})
+            fake.configure(chunk_delay_s=0.0)
+
+            async def done() -> dict[str, Any] | None:
+                state = await seen_by(bob)
+                return state if state["tasks"]["done"] else None
+
+            bob_after = await eventually(done, timeout_s=30)
+            alice_after = await seen_by(alice)
+
+    def open_ids(state: dict[str, Any]) -> list[str]:
+        return [t["task_id"] for t in state["tasks"]["open"]]
+
+    assert as_ops["workers"][0]["current_task"] == task_id
+    assert as_alice["workers"][0]["current_task"] == task_id
+    assert as_bob["workers"][0]["current_task"] == ""  # busy, with whose task not said
+    assert open_ids(as_ops) == open_ids(as_alice) == [task_id]
+    assert open_ids(as_bob) == [""]
+    assert task_id not in json.dumps(streamed)  # the page's stream blanks it too
+    assert streamed["workers"][0]["current_task"] == ""
+    assert as_bob["tasks"]["open"][0].get("client") is None
+    assert as_ops["tasks"]["open"][0]["client"] == "alice"
+    assert [e["task_id"] for e in alice_after["tasks"]["done"]] == [task_id]
+    assert [e["task_id"] for e in bob_after["tasks"]["done"]] == [""]
+    # Nothing but the blanked ids differs: the counts are the fleet's.
+    assert bob_after["summary"]["workers"] == alice_after["summary"]["workers"] == 1
+
+
+async def first_frames(http: httpx.AsyncClient, key: str, names: set[str]) -> dict[str, Any]:
+    """The first frame of each of ``names`` that ``/dashboard/stream`` sends ``key``."""
+    found: dict[str, Any] = {}
+    event = ""
+    async with http.stream("GET", "/dashboard/stream", headers=bearer(key)) as stream:
+        async for line in stream.aiter_lines():
+            if line.startswith("event: "):
+                event = line.removeprefix("event: ")
+            elif line.startswith("data: ") and event in names:
+                found[event] = json.loads(line.removeprefix("data: "))
+                if set(found) == names:
+                    return found
+    raise AssertionError(f"the stream ended before {names - set(found)}")

@@ -134,10 +134,12 @@
           class: resident.has(m) ? "model resident" : "model",
           title: resident.has(m) ? "in memory" : "",
         }, m)));
-      const task = w.current_task
+      // "" is a task of another key's: running, its id not told to this one.
+      const task = w.current_task != null
         ? el("td", { label: "task" },
           el("span", {}, w.current_model || ""),
-          el("span", { class: "sub id", title: w.current_task }, short(w.current_task)),
+          el("span", { class: "sub id", title: w.current_task },
+            w.current_task === "" ? "another key's" : short(w.current_task)),
           el("span", { class: "sub" }, w.task_started_at ? `for ${span(now() - w.task_started_at)}` : "running"))
         : el("td", { label: "task", class: "none" }, "–");
       return el("tr", { "data-worker": w.worker_id, class: dead ? "dead" : "" },
