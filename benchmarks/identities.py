@@ -41,6 +41,7 @@ from services.cli.permissions import (
     nats_user,
     password_variable,
     render_nats_conf,
+    render_server_conf,
 )
 
 
@@ -87,7 +88,7 @@ async def run(connects: int, revocations: int) -> dict[str, Any]:
         )
         store = Store(tmp / "identities")
         store.create()
-        jwt = _server(tmp, "identities", store.server_conf())
+        jwt = _server(tmp, "identities", render_server_conf(store.auth()))
         try:
             _, alice = store.invite("client", "alice")
             creds = tmp / "alice.creds"

@@ -195,7 +195,10 @@ class NatsCluster:
         name: str = "coordinator",
         hosts: Sequence[str] = (),
         wraps: Sequence[Sequence[str]] = (),
+        auth: str | None = None,
     ) -> None:
+        """``auth``: who is who instead of the password users (identities:
+        `services.cli.identities.Store.auth`)."""
         from services.cli.cluster import (
             CLIENT_PORT,
             CLUSTER_PORT,
@@ -228,7 +231,7 @@ class NatsCluster:
             store = str(node_dir / "js")
             host = hosts[i] if hosts else "127.0.0.1"
             node = host if hosts else f"127.0.0.1:{port}"
-            conf = render_cluster_conf(name, routes, node, workers, web_workers)
+            conf = render_cluster_conf(name, routes, node, workers, web_workers, auth=auth)
             # The node's store under ``root``, its routes (and on a test host its monitoring)
             # on its own address (nats-server takes neither from its command line when the
             # file sets them).
@@ -243,6 +246,8 @@ class NatsCluster:
             for shipped, here in edits:
                 assert shipped in conf, shipped
                 conf = conf.replace(shipped, here)
+            # The resolver of identities keeps the accounts beside the node's store.
+            conf = conf.replace("/var/lib/nats/jwt", str(node_dir / "jwt"))
             config = node_dir / "nats-server.conf"
             config.write_text(conf)
             self.nodes.append(

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from services.cli.permissions import render_nats_users
+from services.cli.permissions import render_nats_users, users_block
 from services.cli.roles import DEPLOY_DIR
 from services.errors import ConfigError
 
@@ -115,14 +115,32 @@ def routes_value(nodes: Iterable[Node], password: str = PASSWORD_PLACEHOLDER) ->
     return "[" + ", ".join(route_url(n, password) for n in nodes) + "]"
 
 
+# Who is who on a cluster of password users: the system account's user (the doctor's view of
+# the cluster), then the users of the single server's configuration.
+_SYSTEM_USER: Final = """\
+# The system account: `coordinator doctor` reads the cluster's peers and meta leader with its
+# user (NATS_SYSTEM_USER=system, NATS_SYSTEM_PASSWORD). That user may also reload, and
+# disconnect clients from, any server: keep its password with the operator.
+accounts {
+  SYS { users = [ { user: system, password: $SYSTEM_PASSWORD } ] }
+}
+system_account: SYS
+
+"""
+
+
 def render_cluster_conf(
     cluster: str,
     routes: str,
     node: str,
     workers: Iterable[str],
     web_workers: Iterable[str],
+    *,
+    auth: str | None = None,
 ) -> str:
-    """One node's whole configuration; `ConfigError` names what is wrong with the input."""
+    """One node's whole configuration; `ConfigError` names what is wrong with the input.
+    ``auth``: who is who, when not the password users (`services.cli.nats_jwt.jwt_auth`:
+    identities, on every node alike)."""
     check_cluster_name(cluster)
     nodes = parse_routes(routes)
     this = pick_node(nodes, node)
@@ -134,7 +152,7 @@ def render_cluster_conf(
         "@CLUSTER_PORT@": str(this.port),
         "@ROUTE_COMMENTS@\n": comments,
         "@ROUTES_VALUE@": routes_value(nodes),
-        "@USERS@\n": render_nats_users(workers, web_workers),
+        "@AUTH@\n": auth or _SYSTEM_USER + users_block(render_nats_users(workers, web_workers)),
     }
     for marker, value in replacements.items():
         template = template.replace(marker, value)

@@ -25,7 +25,7 @@ from schemas.subjects import EVENTS_STREAM, TASKS_STREAM
 from services.cli.cluster import render_cluster_conf
 from services.cli.health import check_health, setup_streams
 from services.cli.identities import Store, default_store
-from services.cli.permissions import NATS_STORE_DIR, render_nats_conf
+from services.cli.permissions import NATS_STORE_DIR, render_nats_conf, render_server_conf
 from services.cli.roles import PER_WORKER, SERVICE_ROLES
 from services.cli.settings import MAX_REPLICAS, SetupSettings, check_replicas
 from services.cli.units import read_env_file, render_launchd, render_systemd
@@ -106,7 +106,8 @@ def register(sub: Any) -> None:
         "--jwt",
         action="store_true",
         help="one identity per person and machine (decentralised JWTs; `coordinator invite`) "
-        "instead of one password user per role; makes the fleet's keys on first use",
+        "instead of one password user per role, on a single server or each node of a "
+        "cluster; makes the fleet's keys on first use",
     )
     nats.add_argument(
         "--identities",
@@ -191,17 +192,20 @@ def cmd_render_nats(args: argparse.Namespace) -> int:
 def _nats_conf(args: argparse.Namespace) -> str:
     cluster_options = {"--cluster": args.cluster, "--routes": args.routes, "--node": args.node}
     given = [name for name, value in cluster_options.items() if value is not None]
+    auth = None
     if args.jwt:
-        if given or args.worker or args.web_worker:
+        if args.worker or args.web_worker:
             raise ConfigError(
-                "--jwt renders a single server's configuration, which names no worker "
-                "(`coordinator invite` adds them); a cluster's nodes use passwords for now"
+                "--jwt names no worker: each gets an identity (`coordinator invite`), which "
+                "changes nothing in the configuration"
             )
         store = Store(args.identities or default_store())
         if not store.exists():
             store.create()
             print(f"made the fleet's keys in {store.path} (keep it private)", file=sys.stderr)
-        return store.server_conf()
+        auth = store.auth()
+        if not given:
+            return render_server_conf(auth)
     if not given:
         return render_nats_conf(args.worker, args.web_worker)
     if len(given) < len(cluster_options):
@@ -210,7 +214,9 @@ def _nats_conf(args: argparse.Namespace) -> str:
             f"a cluster node's configuration needs --cluster, --routes and --node; "
             f"{', '.join(missing)} missing"
         )
-    return render_cluster_conf(args.cluster, args.routes, args.node, args.worker, args.web_worker)
+    return render_cluster_conf(
+        args.cluster, args.routes, args.node, args.worker, args.web_worker, auth=auth
+    )
 
 
 def _check_env_file(path: Path) -> dict[str, str]:

@@ -24,7 +24,7 @@ from typing import Any, Final
 import msgspec
 import nats.errors
 
-from services.cli.nats_jwt import Keys, render_jwt_conf
+from services.cli.nats_jwt import Keys, jwt_auth
 from services.errors import ConfigError, Conflict, NotFound, Unavailable
 from services.fleet.identity import (
     ROLES,
@@ -136,12 +136,12 @@ class Store:
         registry.last_issued_at = max(int(time.time()), registry.last_issued_at + 1)
         return registry.last_issued_at
 
-    def server_conf(self) -> str:
-        """The server's configuration with the accounts as they are now."""
+    def auth(self) -> str:
+        """Who is who in a server's configuration, with the accounts as they are now."""
         keys, registry = self.keys(), self.registry()
-        conf = render_jwt_conf(keys, revocations(registry), self._issue(registry))
+        auth = jwt_auth(keys, revocations(registry), self._issue(registry))
         self._save(registry)
-        return conf
+        return auth
 
     def invite(self, role: str, name: str) -> tuple[str, str]:
         """A new identity: (its name, its ``.creds``); `Conflict` while one by that name is

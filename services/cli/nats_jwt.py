@@ -29,7 +29,6 @@ from services.cli.permissions import (
     NATS_STORE_DIR,
     RESPONSES_EXPIRE_S,
     Permissions,
-    render_server_conf,
     role_permissions,
 )
 from services.fleet.identity import WITH_WORKER_ID, creds_text
@@ -186,15 +185,16 @@ def _jwt_permissions(perms: Permissions) -> dict[str, Any]:
     return out
 
 
-def render_jwt_conf(keys: Keys, revocations: Mapping[str, int], issued_at: int) -> str:
-    """The single server's configuration with decentralised authentication."""
+def jwt_auth(keys: Keys, revocations: Mapping[str, int], issued_at: int) -> str:
+    """Who is who with decentralised authentication: a server's (every node's alike)."""
     system, fleet = public_key(keys.system), public_key(keys.fleet)
-    auth = (
+    return (
         "# Who is who: NATS's decentralised JWT authentication (docs/identities.md). The\n"
         "# operator's JWT vouches for the system account and the fleet's; each identity is a\n"
         "# user JWT that the fleet's signing key signed (`coordinator invite`). Nothing here\n"
         "# names an identity: adding one changes nothing on the server, and a revocation is\n"
-        "# pushed into the resolver (`coordinator revoke`), which keeps it across restarts.\n"
+        "# pushed into the resolver (`coordinator revoke`), which keeps it across restarts\n"
+        "# (and on a cluster hands it to every node).\n"
         f"operator: {keys.operator_jwt(issued_at)}\n"
         f"system_account: {system}\n"
         "resolver {\n"
@@ -210,4 +210,3 @@ def render_jwt_conf(keys: Keys, revocations: Mapping[str, int], issued_at: int) 
         f"  {fleet}: {keys.fleet_jwt(revocations, issued_at)}\n"
         "}\n"
     )
-    return render_server_conf(auth)

@@ -436,8 +436,12 @@ def render_nats_users(workers: Iterable[str], web_workers: Iterable[str]) -> str
 
 def render_nats_conf(workers: Iterable[str], web_workers: Iterable[str]) -> str:
     """The whole server configuration: JetStream, and one user per role and worker."""
-    users = render_nats_users(workers, web_workers)
-    return render_server_conf(f"authorization {{\n  users = [\n{users}  ]\n}}\n")
+    return render_server_conf(users_block(render_nats_users(workers, web_workers)))
+
+
+def users_block(users: str) -> str:
+    """The ``authorization`` block of the users `render_nats_users` rendered."""
+    return f"authorization {{\n  users = [\n{users}  ]\n}}\n"
 
 
 # Where the rendered configurations keep the server's data (the container's volume;

@@ -38,23 +38,30 @@ class DoctorSettings(Settings, frozen=True, kw_only=True):
 
     nats_system_user: str | None = None
     nats_system_password: str | None = None
+    nats_system_creds: str | None = None
+    """With identities: a system account user's ``.creds`` (the fleet's keys hold one,
+    ``admin.creds``)."""
 
     def check(self) -> None:
         if (self.nats_system_user is None) != (self.nats_system_password is None):
             raise ConfigError(
                 "NATS_SYSTEM_USER and NATS_SYSTEM_PASSWORD go together: set both or neither"
             )
+        if self.nats_system_user is not None and self.nats_system_creds is not None:
+            raise ConfigError("set NATS_SYSTEM_USER/NATS_SYSTEM_PASSWORD or NATS_SYSTEM_CREDS")
+        if self.nats_system_creds is not None and not os.path.isfile(self.nats_system_creds):
+            raise ConfigError(f"NATS_SYSTEM_CREDS={self.nats_system_creds!r}: no such file")
 
     def system_auth(self) -> NatsAuth | None:
         """The system user's credentials (with this process's TLS settings), or None."""
-        if self.nats_system_user is None:
+        if self.nats_system_user is None and self.nats_system_creds is None:
             return None
         return msgspec.structs.replace(
             self.nats_auth(),
             user=self.nats_system_user,
             password=self.nats_system_password,
             token=None,
-            creds=None,
+            creds=self.nats_system_creds,
             inbox_prefix=None,
         )
 

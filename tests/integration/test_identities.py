@@ -28,7 +28,7 @@ from structlog.testing import capture_logs
 
 from benchmarks.up_stop import up_env
 from devtools.fakes.ollama import FakeOllama
-from devtools.servers import NatsServer
+from devtools.servers import NatsCluster, NatsServer
 from schemas.events import AliasSet
 from schemas.subjects import (
     CANCEL,
@@ -651,3 +651,76 @@ async def test_a_worker_with_an_identity_takes_the_alias_map_from_the_router(
         assert (reply["status"], reply["worker"]) == ("done", "cpu1")
     finally:
         await alice.close()
+
+
+async def test_on_a_cluster_a_revocation_pushed_to_one_node_cuts_the_identity_off_at_another(
+    tmp_path: Path,
+) -> None:
+    """Every node runs the same configuration with identities; `coordinator revoke` hands the
+    fleet's account to one of them, and the others learn it from that one."""
+    store = Store(tmp_path / "identities")
+    store.create()
+    with tempfile.TemporaryDirectory(prefix="coord-ids-cluster-") as root:
+        cluster = NatsCluster(root, {}, auth=store.auth()).start()
+        try:
+            # The fleet's account keeps its streams on every node (what `setup --replicas 3`
+            # does with the operator's identity).
+            _, operator = store.invite("operator", "ann")
+            (tmp_path / "ann.creds").write_text(operator)
+            copies = await setup_streams(
+                cluster.url,
+                worker_ttl_s=3.0,
+                events_max_age_s=0.0,
+                auth=NatsAuth(creds=str(tmp_path / "ann.creds")),
+                replicas=3,
+            )
+            assert copies and all(c.replicas == 3 for c in copies), copies
+            # The doctor reads the cluster's peers as the system account's user the keys hold.
+            doctor = await asyncio.to_thread(
+                run_cli,
+                *("doctor", "--unit-dir", str(tmp_path)),
+                env=clean_env(
+                    NATS_URL=cluster.url,
+                    NATS_CREDS=str(tmp_path / "ann.creds"),
+                    NATS_SYSTEM_CREDS=str(store.admin_creds),
+                ),
+                timeout=60,
+            )
+            lines = {line[9:31].strip(): line for line in doctor.stdout.splitlines()}
+            assert lines["cluster peers"].startswith("ok"), doctor.stdout
+            assert lines["meta leader"].startswith("ok"), doctor.stdout
+            identity, text = store.invite("client", "carol")
+            creds = tmp_path / f"{identity}.creds"
+            creds.write_text(text)
+            closed = asyncio.Event()
+
+            async def on_closed() -> None:
+                closed.set()
+
+            far = cluster.nodes[2]
+            carol = await nats.connect(
+                far.url,
+                user_credentials=str(creds),
+                inbox_prefix="_INBOX_carol",
+                allow_reconnect=False,
+                closed_cb=on_closed,
+            )
+            env = clean_env(NATS_URL=cluster.nodes[0].url, COORDINATOR_IDENTITIES=str(store.path))
+            revoked = await asyncio.to_thread(run_cli, "revoke", "carol", env=env)
+            assert revoked.returncode == 0, revoked.stderr
+            await asyncio.wait_for(closed.wait(), timeout=10.0)
+            assert carol.is_closed
+            for node in cluster.nodes:  # refused at every node
+                nc = Client()
+                try:
+                    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+                        await nc.connect(
+                            node.url,
+                            user_credentials=str(creds),
+                            allow_reconnect=False,
+                            max_reconnect_attempts=0,
+                        )
+                finally:
+                    await nc.close()
+        finally:
+            cluster.stop()

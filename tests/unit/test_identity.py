@@ -15,7 +15,7 @@ import pytest
 from schemas.subjects import InvalidId, task_of_readable_event
 from services.cli.identities import Store
 from services.cli.nats_jwt import Keys, public_key
-from services.cli.permissions import role_permissions
+from services.cli.permissions import render_server_conf, role_permissions
 from services.errors import ConfigError, Conflict, NotFound
 from services.fleet.identity import (
     JoinToken,
@@ -157,7 +157,7 @@ def test_the_store_keeps_its_secrets_private_and_signs_later_each_time(tmp_path:
     # newest account JWT, and must keep this revocation over the configuration's preload.
     assert int(str(claims_of(jwt_of_creds(creds))["iat"])) > first
     assert int(str(account["iat"])) > int(str(claims_of(jwt_of_creds(creds))["iat"]))
-    conf = store.server_conf()
+    conf = render_server_conf(store.auth())
     assert "alice" not in conf  # the server's configuration names no identity
     with pytest.raises(NotFound):
         store.revoke("bob")
