@@ -102,6 +102,10 @@ _duplicate_decoder = msgspec.json.Decoder(WorkerDuplicate)
 EXPIRE_INTERVAL_S = 1.0
 
 
+# How long `coordinator.workers` waits for the owners of the running tasks (each read at once).
+OWNERS_READ_S = 1.0
+
+
 class Router:
     """Holds the fleet view and answers route requests."""
 
@@ -306,14 +310,24 @@ class Router:
 
     async def _tasks_shown(self, viewer: Owner) -> Callable[[str], bool]:
         """Which running tasks' ids ``viewer`` may see: all for the operator, else those whose
-        ``submitted`` says they are its own (one read each, at once)."""
+        ``submitted`` says they are its own (one read each, at once, within
+        `OWNERS_READ_S`). One whose read fails is not shown: the listing answers without
+        JetStream, as it always has (a test of outages asks it while JetStream is away)."""
         if is_operator(viewer.asker):
             return lambda _: True
         running = sorted({r.current_task for r in self.view.workers.values() if r.current_task})
-        owners = await asyncio.gather(*(task_owner(self.js, t) for t in running))
-        mine = {
-            t for t, owner in zip(running, owners, strict=True) if owner and may_see(owner, viewer)
-        }
+        if not running:
+            return lambda _: False
+        reads = [asyncio.ensure_future(task_owner(self.js, t)) for t in running]
+        _, late = await asyncio.wait(reads, timeout=OWNERS_READ_S)
+        for read in late:
+            read.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        mine = set()
+        for task_id, read in zip(running, reads, strict=True):
+            owner = None if read.cancelled() or read.exception() else read.result()
+            if owner is not None and may_see(owner, viewer):  # unknown: the operator's only
+                mine.add(task_id)
         return mine.__contains__
 
     async def handle_route(self, body: bytes) -> bytes | None:
