@@ -724,3 +724,76 @@ async def test_on_a_cluster_a_revocation_pushed_to_one_node_cuts_the_identity_of
                     await nc.close()
         finally:
             cluster.stop()
+
+
+def make_certificates(where: Path) -> tuple[Path, Path, Path]:
+    """A CA of the fleet's own, and a certificate it signed for 127.0.0.1: (ca, cert, key)."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True)
+
+    openssl(
+        *("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"),
+        *("-keyout", "ca-key.pem", "-out", "ca.pem", "-subj", "/CN=fleet CA"),
+    )
+    openssl(
+        *("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server-key.pem"),
+        *("-out", "server.csr", "-subj", "/CN=127.0.0.1"),
+    )
+    (where / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl(
+        *("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca-key.pem"),
+        *("-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "san.ext"),
+    )
+    return where / "ca.pem", where / "server.pem", where / "server-key.pem"
+
+
+async def test_a_machine_joins_a_fleet_on_tls_with_the_ca_its_token_carries(
+    tmp_path: Path, ollama: FakeOllama
+) -> None:
+    ca, cert, key = make_certificates(tmp_path)
+    store = Store(tmp_path / "identities")
+    rendered = run_cli(
+        *("deploy", "render", "nats", "--jwt", "--store-dir", str(tmp_path / "data")),
+        env=clean_env(COORDINATOR_IDENTITIES=str(store.path)),
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    conf = rendered.stdout.replace("http: 127.0.0.1:8222", "http: 127.0.0.1:0")
+    conf += f"tls {{\n  cert_file: {cert}\n  key_file: {key}\n}}\n"
+    (tmp_path / "nats-server.conf").write_text(conf)
+    server = NatsServer(
+        str(tmp_path / "data" / "jetstream"), config=str(tmp_path / "nats-server.conf")
+    ).start()
+    try:
+        url = f"tls://127.0.0.1:{server.port}"
+        _, operator = store.invite("operator", "ann")
+        (tmp_path / "ann.creds").write_text(operator)
+        await setup_streams(
+            url,
+            worker_ttl_s=3.0,
+            events_max_age_s=0.0,
+            auth=NatsAuth(creds=str(tmp_path / "ann.creds"), tls_ca=str(ca)),
+        )
+        env = clean_env(COORDINATOR_IDENTITIES=str(store.path), NATS_URL=url)
+        with_ca = run_cli("invite", "worker", "tls1", "--ca", str(ca), env=env).stdout.strip()
+        assert decode_token(with_ca).ca == ca.read_text()
+        settings = tmp_path / "tls1"
+        joined = run_cli(
+            *("join", with_ca, "--dir", str(settings), "--backend", ollama.url, "--no-start"),
+            env=clean_env(),
+        )
+        assert joined.returncode == 0, joined.stderr
+        written = (settings / "worker-tls1.env").read_text()
+        assert f"NATS_TLS_CA={settings / 'worker-tls1-ca.pem'}" in written
+        assert f"NATS_URL={url}" in written
+        assert stat.S_IMODE((settings / "worker-tls1-ca.pem").stat().st_mode) == 0o600
+        # Without the CA, the machine cannot tell the fleet's server from another: refused.
+        without = run_cli("invite", "worker", "tls2", env=env).stdout.strip()
+        refused = run_cli(
+            *("join", without, "--dir", str(tmp_path / "tls2"), "--backend", ollama.url),
+            env=clean_env(),
+        )
+        assert refused.returncode == 1
+        assert "does not take worker-tls2" in refused.stderr
+    finally:
+        server.stop()
