@@ -63,6 +63,9 @@ class _Keys(msgspec.Struct, frozen=True):
 
 class _Registry(msgspec.Struct, kw_only=True):
     identities: dict[str, Identity] = {}
+    # Every key ever revoked, with when: an identity invited again by the same name has a new
+    # key, and its old one stays refused.
+    revoked: dict[str, int] = {}
     # The newest ``iat`` signed: each JWT gets a later one, so that the server, which keeps the
     # account JWT with the newest ``iat``, never keeps an older one over a revocation.
     last_issued_at: int = 0
@@ -168,6 +171,7 @@ class Store:
         issued_at = self._issue(registry)
         if known.revoked_at is None:
             registry.identities[identity] = msgspec.structs.replace(known, revoked_at=issued_at)
+            registry.revoked[known.public_key] = issued_at
         self._save(registry)
         return keys.fleet_jwt(revocations(registry), issued_at)
 
@@ -202,10 +206,8 @@ def _subject(creds: str) -> object:
 
 
 def revocations(registry: _Registry) -> dict[str, int]:
-    """Each revoked identity's key and when: the server refuses its JWTs issued until then."""
-    return {
-        i.public_key: i.revoked_at for i in registry.identities.values() if i.revoked_at is not None
-    }
+    """Each revoked key and when: the server refuses its JWTs issued until then."""
+    return dict(registry.revoked)
 
 
 def _write_private(path: Path, data: bytes) -> None:

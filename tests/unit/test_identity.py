@@ -163,6 +163,13 @@ def test_the_store_keeps_its_secrets_private_and_signs_later_each_time(tmp_path:
         store.revoke("bob")
     again, _ = store.invite("client", "alice")  # a revoked name can be invited again
     assert again == "alice"
+    # ...with a new key; the old one stays revoked in every account pushed later.
+    old_key = claims_of(jwt_of_creds(creds))["sub"]
+    store.invite("client", "bob")
+    later = verify(store.revoke("bob"))
+    assert isinstance(later["nats"], dict)
+    assert old_key in later["nats"]["revocations"]
+    assert len(later["nats"]["revocations"]) == 2
     with pytest.raises(Conflict, match="revoke alice"):
         store.invite("client", "alice")
 
