@@ -393,14 +393,22 @@ async def _add_or_update(
     except NotFoundError:
         try:
             await js.add_stream(config)
+            return
         except BadRequestError:
             await js.update_stream(config)  # made meanwhile by another service
+            return
         except nats.errors.TimeoutError as exc:
-            raise Unavailable(
-                f"stream {config.name} does not exist and could not be created (this NATS "
-                "user may not create streams?): run `coordinator setup` with the operator user"
-            ) from exc
-        return
+            # Unanswered: JetStream went silent meanwhile, or this user may not create streams
+            # (a refused request gets no answer). Asked again once JetStream answers: a stream
+            # still missing was refused; one there was made meanwhile.
+            try:
+                info = await _stream_info(js, config.name)
+            except NotFoundError:
+                raise Unavailable(
+                    f"stream {config.name} does not exist and could not be created (this NATS "
+                    "user may not create streams?): run `coordinator setup` with the operator "
+                    "user"
+                ) from exc
     current = info.config
     differs = [k for k in owned if _norm(getattr(config, k)) != _norm(getattr(current, k))]
     if not differs:
