@@ -667,6 +667,30 @@ async def test_on_a_cluster_a_revocation_pushed_to_one_node_cuts_the_identity_of
             # does with the operator's identity).
             _, operator = store.invite("operator", "ann")
             (tmp_path / "ann.creds").write_text(operator)
+            at_each = [
+                await nats.connect(
+                    node.url,
+                    user_credentials=str(tmp_path / "ann.creds"),
+                    inbox_prefix="_INBOX_operator-ann",
+                )
+                for node in cluster.nodes
+            ]
+
+            async def jetstream_on() -> bool:
+                # Each node turns JetStream on for the fleet's account once it has resolved
+                # it, a moment after the node is healthy ("JetStream not enabled for account").
+                try:
+                    for nc in at_each:
+                        await nc.jetstream().account_info()
+                except nats.errors.Error:
+                    return False
+                return True
+
+            try:
+                await eventually(jetstream_on, timeout_s=30)
+            finally:
+                for nc in at_each:
+                    await nc.close()
             copies = await setup_streams(
                 cluster.url,
                 worker_ttl_s=3.0,
