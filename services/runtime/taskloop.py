@@ -150,6 +150,10 @@ class TaskLoop:
         """Prepare the kind, take the lease, bind the queues and announce the worker."""
         s = self.settings
         self.runner.registry = await ensure_streams(self.js, worker_ttl_s=s.worker_ttl_s)
+        if s.through_router and any(queue.one_at_a_time for queue in self.kind.queues()):
+            # Before it is listed: a worker that cannot have its consumer made (no router
+            # answers) must not be routed to meanwhile.
+            await own_consumer(self.nc, s.worker_id, s.ack_wait_s)
         # The lease first: a second process with this id is refused before it puts any load
         # on the backend (sanity runs). Until they pass, the entry lists no model, so nothing
         # is routed here; then it is renewed at once with them.
@@ -168,8 +172,6 @@ class TaskLoop:
         # Before the first task can arrive, so no cancel for a task taken here is missed.
         self._cancel_sub = await self.nc.subscribe(CANCEL_NOTICES, cb=self.runner.on_cancel)
         queues = self.kind.queues()
-        if s.through_router and any(queue.one_at_a_time for queue in queues):
-            await own_consumer(self.nc, s.worker_id, s.ack_wait_s)
         sources = [
             Source(
                 queue,
