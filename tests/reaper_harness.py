@@ -65,6 +65,12 @@ class TaskEvents:
         self.events.append(task_event_decoder.decode(msg.data))
         self._changed.set()
 
+    async def ended(self, task_id: str, kind: str) -> TaskEvent:
+        """The task's ``kind`` end (``completed``, ``failed``) once this feed has it: a reply
+        can reach its client before the event reaches this consumer, and every event stored
+        before that end is then here too (the stream's order)."""
+        return await self.wait_for(lambda e: e.task_id == task_id and kind_of(e) == kind)
+
     def of(self, task_id: str, kind: str | None = None) -> list[TaskEvent]:
         return [
             e for e in self.events if e.task_id == task_id and (kind is None or kind_of(e) == kind)

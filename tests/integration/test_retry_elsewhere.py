@@ -79,6 +79,7 @@ async def test_a_task_whose_backend_fails_at_its_own_work_completes_on_another_w
                 nc, "coordinator.route", {"prompt": PROMPT, "model": MODEL, "wait": True}
             )
             task_id = body["task_id"]
+            await events.ended(task_id, "completed")
             failed = [e for e in events.of(task_id, "failed") if isinstance(e, TaskFailed)]
 
             assert (body["status"], body["worker"]) == ("done", "cpu-b")
@@ -99,6 +100,7 @@ async def test_a_task_whose_backend_fails_at_its_own_work_completes_on_another_w
                 nc, "coordinator.route", {"prompt": "1+1", "model": MODEL, "wait": True}
             )
             assert (again["status"], again["worker"]) == ("done", "cpu-b")
+            await events.ended(again["task_id"], "completed")
             assert attempts(events, again["task_id"]) == [(1, "cpu-b")]
 
         # Its probe lifts the mark once the backend works again.
@@ -133,6 +135,7 @@ async def test_a_request_the_model_refuses_fails_at_once_though_another_worker_i
 
             assert (body["status"], body["failure"]["code"]) == ("failed", "backend_error")
             assert "input exceeds maximum context length" in body["failure"]["message"]
+            await events.ended(task_id, "failed")
             assert attempts(events, task_id) == [(1, "gpu-a")]
             failed = events.of(task_id, "failed")
             assert [(e.worker, e.retryable) for e in failed if isinstance(e, TaskFailed)] == [
@@ -163,5 +166,6 @@ async def test_a_streamed_answer_its_backend_cuts_short_fails_and_is_not_run_aga
             assert reply.status == "failed" and reply.failure is not None
             assert reply.failure.code == "backend_server_error"
             assert "".join(c.response for c in chunks)  # what reached the client first
+            await events.ended(reply.task_id, "failed")
             assert attempts(events, reply.task_id) == [(1, "gpu-a")]
         assert well.stats()["generate_calls"] == 1  # cpu-b: its sanity run alone
