@@ -224,6 +224,7 @@ async def test_a_task_running_past_its_timeout_is_moved_to_another_worker(
     await workers_live(nc, 2)
     async with TaskEvents(nc) as events:
         reply = await route(nc, wait=True, timeout_s=1.0)
+        await events.ended(reply["task_id"], "completed")
 
         assert (reply["status"], reply["worker"], reply["response"]) == ("done", "cpu-b", "2")
         started = events.of(reply["task_id"], "started")
@@ -258,6 +259,7 @@ async def test_a_task_queued_for_a_worker_that_does_not_pull_is_moved_or_failed_
         runner.worker(nats_server.url, ollama.url, "cpu-b")
         await workers_live(nc, 2)
         moved = await route(nc, wait=True)  # to aaa-ghost first (same depth, first by name)
+        await events.ended(moved["task_id"], "completed")
 
         assert (moved["status"], moved["worker"]) == ("done", "cpu-b")
         first, second = events.of(moved["task_id"], "routed")
@@ -300,6 +302,8 @@ async def test_a_task_whose_message_went_missing_behind_a_busy_worker_is_queued_
             timeout_s=60,
         )
         assert (body["status"], body["worker"]) == ("done", "cpu-a"), body
+        await events.ended(second["task_id"], "completed")
+        await events.ended(first["task_id"], "completed")
         # Queued again (the same worker, the next attempt) while the first task still ran.
         routed = [e for e in events.of(second["task_id"], "routed") if isinstance(e, TaskRouted)]
         assert [(r.attempt, r.worker) for r in routed] == [(1, "cpu-a"), (2, "cpu-a")]
@@ -317,6 +321,7 @@ async def test_a_web_search_task_is_never_re_dispatched_it_fails_with_the_reason
     async with Registration(nc, "web-1", supports=("web_search",)), TaskEvents(nc) as events:
         await workers_live(nc, 2)
         reply = await route(nc, wait=True, task_type="web_search", model="default")
+        await events.ended(reply["task_id"], "failed")
 
         assert reply["status"] == "failed"
         assert reply["error"].startswith(
@@ -406,6 +411,7 @@ async def test_a_task_whose_backend_is_down_fails_fast_and_is_moved_on(
     async with TaskEvents(nc) as events:
         started = time.monotonic()
         reply = await route(nc, wait=True)
+        await events.ended(reply["task_id"], "completed")
 
     assert (reply["status"], reply["worker"], reply["response"]) == ("done", "cpu-b", "2")
     assert time.monotonic() - started < 5
@@ -434,6 +440,13 @@ async def test_a_retryable_failure_no_other_worker_can_take_fails_as_a_single_po
         await eventually(reaper_answers(nc))
     async with TaskEvents(nc) as events:
         reply = await route(nc, wait=True)
+        await events.wait_for(
+            lambda e: (
+                e.task_id == reply["task_id"]
+                and isinstance(e, TaskFailed)
+                and e.code == "no_alternative_worker"
+            )
+        )
 
     assert reply["status"] == "failed"
     assert reply["error"] == "no_alternative_worker: " + SPOF.format(
