@@ -150,10 +150,6 @@ class TaskLoop:
         """Prepare the kind, take the lease, bind the queues and announce the worker."""
         s = self.settings
         self.runner.registry = await ensure_streams(self.js, worker_ttl_s=s.worker_ttl_s)
-        if s.through_router and any(queue.one_at_a_time for queue in self.kind.queues()):
-            # Before it is listed: a worker that cannot have its consumer made (no router
-            # answers) must not be routed to meanwhile.
-            await own_consumer(self.nc, s.worker_id, s.ack_wait_s)
         # The lease first: a second process with this id is refused before it puts any load
         # on the backend (sanity runs). Until they pass, the entry lists no model, so nothing
         # is routed here; then it is renewed at once with them.
@@ -162,6 +158,10 @@ class TaskLoop:
         # whose answer was lost is found to be this process's own).
         await answered(self.lease.acquire, f"the lease of worker '{s.worker_id}'")
         try:
+            if s.through_router and any(queue.one_at_a_time for queue in self.kind.queues()):
+                # While its entry lists no model: nothing is routed to a worker whose consumer
+                # no router has made yet (none answers).
+                await own_consumer(self.nc, s.worker_id, s.ack_wait_s)
             await self.kind.prepare(stop)
             await answered(self.lease.renew, f"the lease of worker '{s.worker_id}'")
         except BaseException:
