@@ -108,13 +108,13 @@ class Store:
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.path, 0o700)
         keys = Keys.new()
-        _write_private(
+        write_private(
             self._keys_file,
             msgspec.json.encode(_Keys(keys.operator, keys.system, keys.fleet, keys.signing)),
         )
         registry = _Registry()
         jwt, seed = keys.system_user(self._issue(registry))
-        _write_private(self.admin_creds, creds_text(jwt, seed).encode())
+        write_private(self.admin_creds, creds_text(jwt, seed).encode())
         self._save(registry)
 
     def keys(self) -> Keys:
@@ -132,7 +132,7 @@ class Store:
         return msgspec.json.decode(self._registry_file.read_bytes(), type=_Registry)
 
     def _save(self, registry: _Registry) -> None:
-        _write_private(self._registry_file, msgspec.json.format(msgspec.json.encode(registry)))
+        write_private(self._registry_file, msgspec.json.format(msgspec.json.encode(registry)))
 
     @staticmethod
     def _issue(registry: _Registry) -> int:
@@ -196,7 +196,7 @@ def own_identities(
                 )
         else:
             _, creds = store.invite(role, name)
-            _write_private(path, creds.encode())
+            write_private(path, creds.encode())
         found[role] = path
     return found
 
@@ -210,10 +210,12 @@ def revocations(registry: _Registry) -> dict[str, int]:
     return dict(registry.revoked)
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Write a secret: created 0600, never readable by others even for a moment."""
+def write_private(path: Path, data: bytes) -> None:
+    """Write a secret: created 0600, never readable by others even for a moment, and put in
+    place whole (an older file of the same name, however wide its mode, is replaced)."""
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a leftover of a write cut short may have another mode
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)

@@ -25,6 +25,7 @@ import httpx
 import nats.errors
 
 from schemas.subjects import TASKS_STREAM
+from services.cli.identities import write_private
 from services.cli.roles import PER_WORKER, SERVICE_ROLES
 from services.cli.units import render_launchd, render_systemd, systemd_unit_name
 from services.errors import ConfigError, Unavailable
@@ -73,24 +74,18 @@ def write_config(token: JoinToken, directory: Path, backend: str, owner: str | N
     creds = directory / f"{token.identity}.creds"
     ca = directory / f"{token.identity}-ca.pem" if token.ca else None
     written = Written(env_file=directory / f"{token.identity}.env", creds=creds, ca=ca)
-    _write_private(creds, token.creds)
+    write_private(creds, token.creds.encode())
     if ca is not None and token.ca is not None:
-        _write_private(ca, token.ca)
+        write_private(ca, token.ca.encode())
     header = f"# {token.identity} ({token.role}), written by `coordinator join`\n"
-    _write_private(written.env_file, header + "\n".join(env_lines(token, written, backend)) + "\n")
+    settings = header + "\n".join(env_lines(token, written, backend)) + "\n"
+    write_private(written.env_file, settings.encode())
     if owner is not None and os.geteuid() == 0:
         # The service's account reads them; nobody else.
         entry = pwd.getpwnam(owner)
         for path in (directory, creds, written.env_file, *([ca] if ca else [])):
             os.chown(path, entry.pw_uid, entry.pw_gid)
     return written
-
-
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an older file of the same name may have been wider
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
 
 
 async def check_fleet(token: JoinToken, written: Written) -> None:

@@ -106,7 +106,7 @@ _ALIASES = [
 # A worker reads nothing of the event log itself: a direct get cannot be kept to one task
 # (a ``*`` in the task's place of its subject reads every task's last event, answers
 # included). It asks the router about the tasks it holds (services/router/eventreads.py).
-_OUTCOME_READS = [LAST_EVENT]
+_TASK_EVENT_READS = [LAST_EVENT]
 
 
 def _own_task_events(worker_id: str) -> list[str]:
@@ -174,7 +174,7 @@ def role_permissions(
                 f"$KV.{WORKERS_BUCKET}.{worker_id}",
                 f"$KV.{ASLEEP_BUCKET}.{worker_id}",
                 *_REGISTRY_READS,
-                *_OUTCOME_READS,
+                *_TASK_EVENT_READS,
                 # The alias map, from the router: no consumer on EVENTS of its own.
                 ALIAS_MAP,
                 # Streamed answers, for the router to pass on (never a client's inbox).
@@ -195,7 +195,7 @@ def role_permissions(
                 f"events.worker.{worker_id}.>",
                 f"$KV.{WORKERS_BUCKET}.{worker_id}",
                 *_REGISTRY_READS,
-                *_OUTCOME_READS,
+                *_TASK_EVENT_READS,
             ],
             subscribe=[_own_inbox(user), "coordinator.cancel.*"],
         )
