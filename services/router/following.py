@@ -24,16 +24,16 @@ from nats.js import JetStreamContext
 
 from schemas.events import TaskCompleted, TaskFailed, TaskRouted, TaskSubmitted, task_event_decoder
 from schemas.route import RouteReply, RouteRequest
-from schemas.subjects import task_event
+from schemas.subjects import task_event, task_events
 from schemas.tasks import is_retryable
-from services.errors import NotFound
+from services.errors import NotFound, from_code
 from services.fleet.binding import Supports, refusal
 from services.fleet.identity import Owner, may_see
 from services.router.ending import wait_for_end
 from services.router.peers import Peers
-from services.router.records import ended_reply, latest_outcome
+from services.router.records import ended_reply, is_refusal, latest_outcome
 from services.router.waiting import Waiter, let_go
-from services.runtime.outcomes import Sourced, last_on, routing_of, stored_ends
+from services.runtime.outcomes import Sourced, last_on, last_stored, routing_of, stored_ends
 
 log = structlog.get_logger("router")
 
@@ -107,8 +107,15 @@ class Follower:
     async def _answer(
         self, request: RouteRequest, task_id: str, reply_to: str, leader: bool
     ) -> RouteReply | Unsubmitted | None:
+        # One read for a new task (the usual case): any event of it at all.
+        if await last_stored(self.js, task_events(task_id), leader=leader) is None:
+            return UNSUBMITTED
         submitted = await stored(self.js, task_id, "submitted", leader=leader)
         if not isinstance(submitted, TaskSubmitted):
+            refused = await stored(self.js, task_id, "failed", leader=leader)
+            if isinstance(refused, TaskFailed) and is_refusal(refused):
+                # A router refused the request before (`services.router.submit.record_refusal`).
+                raise from_code(refused.code, refused.reason)
             return UNSUBMITTED
         if not may_see(
             Owner.of(submitted.asker, submitted.client), Owner.asking(reply_to, request.client)

@@ -1,7 +1,8 @@
 """What the router records and queues for a task, and what it answers. Pure: no I/O.
 
 The events (``submitted``, the ``failed`` of a task the router could not queue or whose woken
-worker never started it; an attempt's ``routed`` event and task message are
+worker never started it, or refused before any routing; an attempt's ``routed`` event and
+task message are
 `services.fleet.dispatch`'s), and the route reply
 built from a task's outcome, with its failure as data (``failure``: code and reason apart).
 """
@@ -12,7 +13,7 @@ from collections.abc import Iterable
 
 from schemas.events import TaskCompleted, TaskFailed, TaskSubmitted
 from schemas.route import ErrorDetail, RouteReply
-from services.errors import Unavailable, WakeTimeout
+from services.errors import CoordinatorError, Unavailable, WakeTimeout
 from services.fleet.policy import Decision
 from services.router.decide import Submission
 
@@ -43,6 +44,28 @@ def unqueued_failure(task_id: str, decision: Decision, reason: str, at: float) -
         reason=reason,
         retryable=True,
     )
+
+
+REFUSED_ATTEMPT = 0
+"""The attempt a refusal's ``failed`` names: none ran, nor was routed (the first is 1)."""
+
+
+def refusal_event(task_id: str, refused: CoordinatorError, at: float) -> TaskFailed:
+    """A refusal of a request that named its task, as the log keeps it (`services.router.
+    submit.record_refusal`): its code and message are what the client is told."""
+    return TaskFailed(
+        at=at,
+        task_id=task_id,
+        attempt=REFUSED_ATTEMPT,
+        worker=None,
+        code=refused.code,
+        reason=str(refused),
+    )
+
+
+def is_refusal(event: object) -> bool:
+    """Is ``event``, stored on the task's router subject, a recorded refusal?"""
+    return isinstance(event, TaskFailed) and event.attempt == REFUSED_ATTEMPT
 
 
 def wake_failure(task_id: str, worker_id: str, wake_wait_s: float, at: float) -> TaskFailed:

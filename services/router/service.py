@@ -52,6 +52,7 @@ from schemas.subjects import (
 )
 from services import __version__
 from services.errors import (
+    CoordinatorError,
     NoWorker,
     Unavailable,
     UnsupportedCapability,
@@ -74,7 +75,7 @@ from services.router.records import outcome_reply, queued_reply
 from services.router.relay import ChunkRelay
 from services.router.requests import Admitted, admit, parse_workers_query
 from services.router.settings import RouterSettings
-from services.router.submit import AlreadySubmitted
+from services.router.submit import AlreadySubmitted, record_refusal
 from services.router.submitting import WAIT_MARGIN_S, Submitter
 from services.router.view import FleetView
 from services.router.waiting import Waiter
@@ -84,6 +85,7 @@ from services.runtime.bus import (
     connect,
     ensure_bucket,
     ensure_streams,
+    fences_by_subject,
     flush_written,
     started,
 )
@@ -356,8 +358,8 @@ class Router:
             now = time.time()
             try:
                 plan = self._decide(admitted.routed, now)
-            except (NoWorker, UnsupportedCapability):
-                followed = await self._known_elsewhere(admitted.routed)
+            except (NoWorker, UnsupportedCapability) as refused:
+                followed = await self._known_elsewhere(admitted.routed, refused)
                 if not isinstance(followed, Unsubmitted):
                     return followed
                 raise
@@ -378,18 +380,22 @@ class Router:
             return followed
         return encoder.encode(outcome_reply(task, outcome))
 
-    async def _known_elsewhere(self, request: RouteRequest) -> bytes | Unsubmitted | None:
+    async def _known_elsewhere(
+        self, request: RouteRequest, refused: CoordinatorError
+    ) -> bytes | Unsubmitted | None:
         """Before refusing, for want of a live worker, a request that names its task: is the
         task held by another router, or in the log? A client asked again, of this router,
         while the router it asked first was still storing the task (an election holds its
         writes), or the copy of the log this router read first lagged (a node that just
         rejoined): refused here, the client would be told ``no_worker`` for a task that then
         runs. Held elsewhere: silent (None), the client asks again; in the log, read from the
-        stream's leader: answered as that task. `UNSUBMITTED`: refuse. Asked only for a model
-        some registered worker serves (its workers silent, not an unknown model): the peers'
-        silence costs up to a second. Asked too when no worker is registered at all: the
-        registry's entries expire while its leader is elected, and the fleet's workers with
-        them."""
+        stream's leader: answered as that task. Neither: the refusal is stored, so that no
+        router can store the task after it (a router that held it while its connection moved
+        to another server did not answer), and `UNSUBMITTED` says refuse; stored meanwhile
+        after all: followed again, or silent. Asked only for a model some registered worker
+        serves (its workers silent, not an unknown model): the peers' silence costs up to a
+        second. Asked too when no worker is registered at all: the registry's entries expire
+        while its leader is elected, and the fleet's workers with them."""
         task_id = request.task_id
         registered = [
             record
@@ -403,7 +409,14 @@ class Router:
         if await self.peers.holder_of(task_id=task_id) == task_id:
             log.info("asked again; another router holds the task", task_id=task_id)
             return None
-        return await self._follow(request, task_id, leader=True)
+        followed = await self._follow(request, task_id, leader=True)
+        if not isinstance(followed, Unsubmitted) or not fences_by_subject(self.nc):
+            return followed
+        if await record_refusal(self.js, task_id, refused):
+            return UNSUBMITTED
+        log.info("refusing, found the task stored meanwhile", task_id=task_id)
+        followed = await self._follow(request, task_id, leader=True)
+        return None if isinstance(followed, Unsubmitted) else followed
 
     async def _follow(
         self, request: RouteRequest, task_id: str, *, leader: bool = False

@@ -11,7 +11,14 @@ A failure is recorded only for a routing this request stored, and only while tha
 the task's last (the same fence as a worker's outcome): a routing whose write never got an
 answer may be another router's (a client that asked twice) or may have been stored after all,
 and that task may be queued and run; a routing that was never stored is found by the reaper
-(a task submitted and never routed)."""
+(a task submitted and never routed).
+
+A request that names its task and that a router refuses after checking that no router holds
+it and the log has none of it (`record_refusal`) may still be in another router's hands: one
+whose connection was moving to another server when asked, whose writes then go through. So
+the refusal is stored first, only while the log holds nothing of the task, and a task's
+``submitted`` and first ``routed`` only while it holds no refusal: one of the two wins, and
+the client is told what the log says (one id, one answer)."""
 
 from __future__ import annotations
 
@@ -29,13 +36,13 @@ from nats.js.api import PubAck
 
 from schemas import message_ids
 from schemas.events import TaskRouted, encoder, task_event_decoder
-from schemas.subjects import task_event
-from services.errors import Unavailable
+from schemas.subjects import task_event, task_events
+from services.errors import CoordinatorError, Unavailable
 from services.fleet.dispatch import routed_event, task_message
 from services.fleet.policy import Decision
 from services.router.decide import Submission
-from services.router.records import submitted_event, unqueued_failure
-from services.runtime.bus import publish_event
+from services.router.records import refusal_event, submitted_event, unqueued_failure
+from services.runtime.bus import is_wrong_last_sequence, publish_event
 from services.runtime.outcomes import last_on
 from services.runtime.tracing import inject_context
 
@@ -85,7 +92,8 @@ async def through_outage(write: Callable[[], Awaitable[Any]]) -> Any:
 
 class AlreadySubmitted(Exception):
     """A task of this id was routed by another request (two routers took one request that a
-    client asked twice): its routing stands, and this request follows it."""
+    client asked twice), or refused by another router (`record_refusal`): that stands, and
+    this request follows it."""
 
 
 async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int:
@@ -102,11 +110,24 @@ async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int
     first = routed_event(
         event, 1, decision, reason=decision.reason, domain=task.plan.domain, at=time.time()
     )
+    # Stored only while no router has recorded a refusal of this task (`record_refusal`).
+    unrefused = (task_event(task_id, "failed"), 0) if fences else None
     submitted, routed = await asyncio.gather(
-        through_outage(lambda: publish_event(js, event, msg_id=message_ids.submitted(task_id))),
-        through_outage(lambda: publish_event(js, first, msg_id=message_ids.routed(task_id, 1))),
+        through_outage(
+            lambda: publish_event(
+                js, event, msg_id=message_ids.submitted(task_id), expect_last=unrefused
+            )
+        ),
+        through_outage(
+            lambda: publish_event(
+                js, first, msg_id=message_ids.routed(task_id, 1), expect_last=unrefused
+            )
+        ),
         return_exceptions=True,
     )
+    if any(is_wrong_last_sequence(r) for r in (submitted, routed) if isinstance(r, BaseException)):
+        # A router refused the request, asked again, first: the refusal stands.
+        raise AlreadySubmitted(task_id)
     if isinstance(routed, BaseException):
         # Whose routing the stream holds, if any, is unknown: nothing is failed (see above).
         failed = submitted if isinstance(submitted, BaseException) else routed
@@ -133,6 +154,26 @@ async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int
         await fail_unqueued(js, task_id, decision, reason, int(routed.seq) if fences else None)
         raise Unavailable(f"task {task_id}: {reason}") from exc
     return int(ack.seq)
+
+
+async def record_refusal(js: JetStreamContext, task_id: str, refused: CoordinatorError) -> bool:
+    """Store the refusal of a request that named its task, only while the log holds nothing
+    of the task (needs `services.runtime.bus.fences_by_subject`); the fence also keeps it
+    single. False when the log holds something: the task, stored by a router meanwhile, or
+    another router's refusal; the request follows it (`services.router.following`). True
+    when the refusal is stored, and when the log could not be asked: the request is refused
+    then as it was before refusals were stored."""
+    try:
+        await publish_event(
+            js,
+            refusal_event(task_id, refused, time.time()),
+            expect_last=(task_events(task_id), 0),
+        )
+    except Exception as exc:
+        if is_wrong_last_sequence(exc):
+            return False
+        log.warning("the refusal was not stored", task_id=task_id, error=repr(exc))
+    return True
 
 
 async def _check_own_routing(js: JetStreamContext, task_id: str, routed_at: float) -> None:

@@ -374,3 +374,45 @@ async def test_a_router_with_no_worker_for_a_task_another_router_holds_stays_sil
         assert b"no_worker" in refusal.data
     finally:
         await holds.unsubscribe()
+
+
+async def test_a_refusal_stands_for_the_request_asked_again_once_a_worker_is_back(
+    nats_server: NatsServer,
+    nc: Client,
+    ollama: FakeOllama,
+    runner: ServiceRunner,
+    processes: Processes,
+) -> None:
+    """A request naming its task that no router holds and no worker can take is refused, and
+    the refusal is stored: the same request asked again (the client checks a refusal on a
+    fresh reply subject; the router that held it, its connection moving to another server,
+    may store it later) gets the same answer, never a run, even with a worker back by then."""
+    router = start_router(processes, nats_server)
+    await router.wait_for("router ready")
+    await no_live_worker_serving(nc, MODEL)
+    refused = new_task_id()
+    body = {"prompt": "1+1", "model": MODEL, "wait": True}
+
+    async def ask(task_id: str) -> bytes:
+        inbox = nc.new_inbox()
+        replies = await nc.subscribe(inbox)
+        try:
+            await nc.publish(ROUTE, msgspec.json.encode({**body, "task_id": task_id}), reply=inbox)
+            return (await replies.next_msg(timeout=30.0)).data
+        finally:
+            await replies.unsubscribe()
+
+    first = await ask(refused)
+    assert b"no_worker" in first
+    runner.worker(nats_server.url, ollama.url, "cpu-1")
+    await workers_live(nc, 1, timeout_s=30)
+
+    again = await ask(refused)
+
+    assert again == first
+    assert await count_events(nc, refused, "failed") == 1
+    assert await count_events(nc, refused, "submitted") == 0
+    assert not await started(nc, refused)
+    # The worker is there: a task of another id runs.
+    done = msgspec.json.decode(await ask(new_task_id()), type=RouteReply)
+    assert (done.status, done.response) == ("done", "2")

@@ -5,10 +5,14 @@ While a cluster elects a stream's leader, a publish can be stored and its acknow
 lost, and the tries after it answered by nobody. Given up on too soon, a stored message would
 run while its client is told the task failed; taken as queued without knowing, a message
 that was never stored would be lost. The message id settles it: a later try of a stored
-message is acknowledged as a duplicate."""
+message is acknowledged as a duplicate.
+
+And a task a router refused first (its request named the task, and no router said it held
+it) is never stored after the refusal, nor the refusal after the task: one of the two wins."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import nats.errors
@@ -17,15 +21,16 @@ from nats.aio.client import Client
 from nats.js.api import PubAck
 from nats.js.errors import APIError, NotFoundError
 
-from schemas.events import TaskRouted
+from schemas.events import TaskFailed, TaskRouted, task_event_decoder
 from schemas.route import RouteRequest
-from services.errors import Unavailable
+from services.errors import NoWorker, Unavailable
 from services.fleet.policy import Decision
 from services.router import submit as submit_module
 from services.router.decide import Plan, Submission, submission
-from services.router.submit import submit
+from services.router.submit import AlreadySubmitted, record_refusal, submit
 from services.runtime.bus import ensure_streams, publish_event
 from tests.harness import last_task_event
+from tests.integration.test_follow import count_events
 
 QUEUE = "tasks.cpu.cpu-1"
 
@@ -173,3 +178,70 @@ async def test_a_write_whose_earlier_try_is_still_being_stored_is_sent_again(
     assert (await last_task_event(js, "t-in-process", "submitted")).data
     with pytest.raises(NotFoundError):
         await last_task_event(js, "t-in-process", "failed")
+
+
+async def test_a_task_a_router_refused_first_is_not_stored_after_the_refusal(nc: Client) -> None:
+    """The router that held the request (its connection moving to another server when the
+    other router asked) stores it after the other refused it: its writes are refused, and it
+    follows the refusal."""
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+
+    assert await record_refusal(js, "t-refused", NoWorker("no worker is registered and alive"))
+    with pytest.raises(AlreadySubmitted):
+        await submit(js, task("t-refused"), fences=True)
+
+    refusal = task_event_decoder.decode(
+        (await last_task_event(js, "t-refused", "failed")).data or b""
+    )
+    assert isinstance(refusal, TaskFailed)
+    assert (refusal.attempt, refusal.code) == (0, "no_worker")
+    assert await count_events(nc, "t-refused", "submitted") == 0
+    assert await count_events(nc, "t-refused", "routed") == 0
+    with pytest.raises(NotFoundError):
+        await js.get_last_msg("TASKS", QUEUE)
+    # A second router refusing the request asked again follows the one refusal stored.
+    assert not await record_refusal(js, "t-refused", NoWorker("no worker is registered and alive"))
+    assert await count_events(nc, "t-refused", "failed") == 1
+
+
+async def test_a_refusal_is_not_stored_once_the_task_is(nc: Client) -> None:
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+    await submit(js, task("t-stored"), fences=True)
+
+    assert not await record_refusal(js, "t-stored", NoWorker("no worker is registered and alive"))
+    assert await count_events(nc, "t-stored", "failed") == 0
+    assert (await js.get_last_msg("TASKS", QUEUE)).data
+
+
+async def test_a_refusal_asked_between_the_tasks_two_writes_is_not_stored(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``submitted`` stored, ``routed`` not yet: the refusal finds the task, and the task is
+    queued."""
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+    publish = js.publish
+    refused: list[bool] = []
+    stored = asyncio.Event()
+
+    async def refusal_between(subject: str, payload: bytes = b"", **kw: Any) -> PubAck:
+        if subject.endswith(".routed"):
+            await stored.wait()
+            refused.append(
+                await record_refusal(js, "t-between", NoWorker("no worker is registered"))
+            )
+        ack = await publish(subject, payload, **kw)
+        if subject.endswith(".submitted"):
+            stored.set()
+        return ack
+
+    monkeypatch.setattr(js, "publish", refusal_between)
+
+    await submit(js, task("t-between"), fences=True)
+
+    assert refused == [False]
+    assert await count_events(nc, "t-between", "failed") == 0
+    assert await count_events(nc, "t-between", "routed") == 1
+    assert (await js.get_last_msg("TASKS", QUEUE)).data
