@@ -4,7 +4,11 @@ It answers the endpoints a worker uses (``/api/tags``, ``/api/generate``, ``/api
 ``/api/embed``, ``/api/embeddings``, ``/api/show``, ``/api/ps``, ``/api/version``, ``/``) with
 Ollama's shapes and status codes: NDJSON streamed with chunked transfer encoding by default, one
 JSON object with ``"stream": false``, durations in nanoseconds, ``{"error": ...}`` bodies on
-failure.
+failure. Ollama's model management too (``/api/pull``, ``/api/create``, ``/api/copy``,
+``DELETE /api/delete``), whose state and answers `devtools.fakes.ollama_models` keeps: a pulled,
+created or copied model is served (listed, shown, run); a created one's ``system``, messages and
+parameters apply to its chats as Ollama applies them (the system prompt counts in
+``prompt_eval_count``; a ``num_predict`` parameter limits its answers).
 
 It also serves Ollama's OpenAI-compatible API under ``/v1`` (``GET /v1/models``,
 ``GET /v1/models/{model}``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
@@ -146,6 +150,7 @@ __all__ = [
     "DEFAULT_EMBEDDING_MODELS",
     "DEFAULT_INSERT_MODELS",
     "DEFAULT_MODELS",
+    "DEFAULT_REGISTRY",
     "DEFAULT_THINKING_MODELS",
     "DEFAULT_TOOL_MODELS",
     "DEFAULT_VISION_MODELS",
@@ -160,6 +165,17 @@ DEFAULT_TOOL_MODELS: tuple[str, ...] = ("qwen2.5:0.5b", "qwen3:0.6b", "qwen2.5-c
 DEFAULT_VISION_MODELS: tuple[str, ...] = ("gemma3:4b",)
 DEFAULT_EMBEDDING_MODELS: tuple[str, ...] = ("nomic-embed-text:latest", "all-minilm:latest")
 DEFAULT_INSERT_MODELS: tuple[str, ...] = ("qwen2.5-coder:1.5b",)
+# What /api/pull finds (the `registry` knob): every model the defaults name, and a few more.
+DEFAULT_REGISTRY: tuple[str, ...] = (
+    *DEFAULT_MODELS,
+    "qwen3:0.6b",
+    "qwen2.5-coder:1.5b",
+    "gemma3:4b",
+    *DEFAULT_EMBEDDING_MODELS,
+    "llama3.2:1b",
+    "llama3.2:3b",
+    "smollm2:135m",
+)
 OLLAMA_VERSION = "0.12.0"
 
 # Synthetic speeds used for the reported (not slept) prompt evaluation and generation times.
@@ -179,6 +195,7 @@ _REGISTRY = "registry.ollama.ai"
 
 _MODEL_LISTS = (
     "models",
+    "registry",
     "thinking_models",
     "tool_models",
     "vision_models",
@@ -200,7 +217,16 @@ _KNOBS = (
     "drop_after_chunks",
     "reset_after_chunks",
     "replies",
+    "registry",
+    "pull_chunk_delay_s",
+    "disk_free_bytes",
 )
+_MODEL_MANAGEMENT = {
+    ("POST", "/api/pull"),
+    ("POST", "/api/create"),
+    ("POST", "/api/copy"),
+    ("DELETE", "/api/delete"),
+}
 _LAST = ("last_chat", "last_generate", "last_embed", "last_embeddings", "last_openai")
 
 # "1+1", "12 * 3", "２×３" (full-width digits and signs too); no minus, it would catch dates.
@@ -539,10 +565,6 @@ def _context_bytes(normalized: str, num_ctx: int) -> int:
     return num_ctx * (_parameter_count(normalized) // 56_000)
 
 
-def _digest(name: str, copy: str = "") -> str:
-    return hashlib.sha256(f"{copy}{_normalize(name)}".encode()).hexdigest()
-
-
 def _embedding_length(normalized: str, embedding_model: bool) -> int:
     """The model's ``<family>.embedding_length``: its vectors' size."""
     if embedding_model:
@@ -820,7 +842,7 @@ def _copy(value: Any) -> Any:
 
 def _check_knob(name: str, value: object) -> Any:
     """The validated value for knob ``name``; ValueError when it does not fit."""
-    if name in ("delay_s", "load_ms", "chunk_delay_s"):
+    if name in ("delay_s", "load_ms", "chunk_delay_s", "pull_chunk_delay_s"):
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ValueError(f"{name} must be a number >= 0")
         return float(value)
@@ -836,7 +858,7 @@ def _check_knob(name: str, value: object) -> Any:
         if not all(isinstance(item, str) and item for item in value):
             raise ValueError(f"{name} must be a list of non-empty strings")
         return list(value)
-    if name in ("error_after_chunks", "drop_after_chunks", "reset_after_chunks"):
+    if name in ("error_after_chunks", "drop_after_chunks", "reset_after_chunks", "disk_free_bytes"):
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -1192,7 +1214,18 @@ class FakeOllama:
       gave up); 0: before any answer, once the request is read. Embedding requests, which
       are not streamed, are reset before any answer whatever N;
     - ``replies``: ``{substring: answer}``; a prompt containing a substring gets that answer
-      (the first that matches, in order) instead of the usual one: a judge's verdict, say.
+      (the first that matches, in order) instead of the usual one: a judge's verdict, say;
+    - ``registry``: the models ``/api/pull`` finds (others: ``pull model manifest: file does
+      not exist``), ``DEFAULT_REGISTRY`` by default; a pull serves the build named by ``copy``;
+    - ``pull_chunk_delay_s``: seconds between the progress lines of ``/api/pull`` and
+      ``/api/create`` (not streamed: the time they take all the same);
+    - ``disk_free_bytes``: the free disk, None (the default) for no limit; a pull takes the
+      blobs' bytes from it, a delete gives back those of the blobs no other model uses, and a
+      blob that does not fit fails its pull with Ollama's ``write <blob>-partial: no space left
+      on device`` once its progress reached the free bytes.
+
+    A model's size, digest and details (``/api/tags``) are its manifest's, as Ollama's: the
+    weights' blob is ``_size`` of the name less its template and config blobs.
     """
 
     def __init__(
@@ -1206,6 +1239,7 @@ class FakeOllama:
         vision_models: Iterable[str] = DEFAULT_VISION_MODELS,
         embedding_models: Iterable[str] = DEFAULT_EMBEDDING_MODELS,
         insert_models: Iterable[str] = DEFAULT_INSERT_MODELS,
+        registry: Iterable[str] = DEFAULT_REGISTRY,
         delay_s: float = 0.0,
         fail_status: int | None = None,
         load_ms: float = 0.0,
@@ -1232,6 +1266,9 @@ class FakeOllama:
             "drop_after_chunks": None,
             "reset_after_chunks": None,
             "replies": _check_knob("replies", dict(replies or {})),
+            "registry": _check_knob("registry", list(registry)),
+            "pull_chunk_delay_s": 0.0,
+            "disk_free_bytes": None,
         }
         self.delay_s: float = 0.0
         self.fail_status: int | None = None
@@ -1247,6 +1284,9 @@ class FakeOllama:
         self.drop_after_chunks: int | None = None
         self.reset_after_chunks: int | None = None
         self.replies: dict[str, str] = {}
+        self.registry: list[str] = []
+        self.pull_chunk_delay_s: float = 0.0
+        self.disk_free_bytes: int | None = None
         self._lock = threading.Lock()
         self._generate_calls = 0
         self._chat_calls = 0
@@ -1271,6 +1311,9 @@ class FakeOllama:
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        from devtools.fakes.ollama_models import ModelShelf  # it builds on this module
+
+        self._models = ModelShelf(self)  # the models pulled, created and copied
         self._apply_defaults()
 
     # ---------------------------------------------------------------- lifecycle
@@ -1386,8 +1429,8 @@ class FakeOllama:
             return copy.deepcopy(self._last[key])
 
     def reset(self) -> None:
-        """Zero the counters, forget loaded models and the last bodies, restore the knobs
-        given at construction."""
+        """Zero the counters, forget loaded models, the last bodies and the models pulled,
+        created or copied, restore the knobs given at construction."""
         with self._lock:
             self._generate_calls = 0
             self._chat_calls = 0
@@ -1400,6 +1443,7 @@ class FakeOllama:
             self._last = dict.fromkeys(_LAST)
             self._calls = {n: call for n, call in self._calls.items() if call[2] is None}
             self._loaded.clear()
+        self._models.clear()
         self._apply_defaults()
 
     def _apply_defaults(self) -> None:
@@ -1503,13 +1547,15 @@ class FakeOllama:
     @contextmanager
     def _track(self, api: str) -> Iterator[Callable[[], None]]:
         """Count one call of ``api`` (``generate``, ``chat``, ``openai`` or ``embed``) while it
-        runs.
+        runs; a model-management call (``pull``, ``create``, ``copy``, ``delete``) is only
+        listed by `calls`.
 
         Yields ``release``, which ends the call's time in flight; the handler calls it
         just before the last bytes of the answer go out, so that a client holding the whole
         answer never sees the generation still in flight (one-at-a-time checks would otherwise
         race the handler thread). Leaving the block releases it too.
         """
+        runs = int(api in ("generate", "chat", "openai", "embed"))  # a model at work
         with self._lock:
             if api == "chat":
                 self._chat_calls += 1
@@ -1517,9 +1563,9 @@ class FakeOllama:
                 self._openai_calls += 1
             elif api == "embed":
                 self._embed_calls += 1
-            else:
+            elif api == "generate":
                 self._generate_calls += 1
-            self._in_flight += 1
+            self._in_flight += runs
             self._concurrent_max = max(self._concurrent_max, self._in_flight)
             number = next(self._call_numbers)
             self._calls[number] = (api, time.time(), None, None)
@@ -1531,7 +1577,7 @@ class FakeOllama:
             with self._lock:
                 if not released:
                     released = True
-                    self._in_flight -= 1
+                    self._in_flight -= runs
                     if number in self._calls:
                         _, started, _, prompt = self._calls[number]
                         self._calls[number] = (api, started, time.time(), prompt)
@@ -1701,6 +1747,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._legacy_embeddings(raw)
         elif method == "POST" and path == "/api/show":
             self._show(raw)
+        elif (method, path) in _MODEL_MANAGEMENT:
+            self._manage(path.removeprefix("/api/"), raw)
         elif method == "GET" and path == "/v1/models":
             self._send_openai_json(200, self._openai_models())
         elif method == "GET" and path.startswith("/v1/models/"):
@@ -1760,9 +1808,10 @@ class _Handler(BaseHTTPRequestHandler):
             parts.append(self.rfile.read(size))
             self.rfile.readline()
 
-    def _send_bytes(self, status: int, data: bytes, content_type: str) -> None:
+    def _send_bytes(self, status: int, data: bytes, content_type: str | None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", content_type)
+        if content_type is not None:  # None: Go's answer when a handler writes no body
+            self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self._started = True
@@ -1789,14 +1838,7 @@ class _Handler(BaseHTTPRequestHandler):
     # ---------------------------------------------------------------- model listing
 
     def _model_entry(self, name: str) -> dict[str, Any]:
-        return {
-            "name": name,
-            "model": name,
-            "modified_at": _MODIFIED_AT,
-            "size": _size(name),
-            "digest": _digest(name, self._fake.copy),
-            "details": _details(name),
-        }
+        return self._fake._models.entry(name)
 
     def _tags(self) -> dict[str, Any]:
         return {"models": [self._model_entry(name) for name in list(self._fake.models)]}
@@ -1817,7 +1859,7 @@ class _Handler(BaseHTTPRequestHandler):
             entry["expires_at"] = _timestamp(expires_ns)
             # What the loaded model takes: its file and the cache of its context, all of it
             # in (V)RAM here: Ollama's estimate, which is more than the file /api/tags sizes.
-            entry["size"] += _context_bytes(normalized, num_ctx)
+            entry["size"] += _context_bytes(self._fake._models.weights(normalized), num_ctx)
             entry["size_vram"] = entry["size"]
             entry["context_length"] = num_ctx
             running.append(entry)
@@ -1832,15 +1874,16 @@ class _Handler(BaseHTTPRequestHandler):
         normalized = fake._find(name)
         if normalized is None:
             raise _ApiError(404, f"model '{name}' not found")
-        details = _details(name)
+        weights = fake._models.weights(normalized)  # a created model's are its base's
+        details = _details(weights)
         family = details["family"]
         capabilities = fake._capabilities(normalized)
         embedding_only = capabilities == ["embedding"]
         model_info: dict[str, Any] = {
             "general.architecture": family,
-            "general.parameter_count": _parameter_count(normalized),
+            "general.parameter_count": _parameter_count(weights),
             f"{family}.context_length": fake._context_length(normalized),
-            f"{family}.embedding_length": _embedding_length(normalized, embedding_only),
+            f"{family}.embedding_length": _embedding_length(weights, embedding_only),
         }
         if embedding_only:
             model_info[f"{family}.pooling_type"] = 1
@@ -1853,9 +1896,6 @@ class _Handler(BaseHTTPRequestHandler):
         if "thinking" in capabilities:
             template += "{{ if .Think }}<think>{{ end }}"
         reply: dict[str, Any] = {
-            "license": "",
-            "modelfile": f"# Modelfile generated by the fake Ollama\nFROM {name}\n",
-            "parameters": "",
             "template": template,
             "details": details,
             "model_info": model_info,
@@ -1867,8 +1907,37 @@ class _Handler(BaseHTTPRequestHandler):
                 "clip.vision.image_size": 896,
             }
         reply["capabilities"] = capabilities
-        reply["modified_at"] = _MODIFIED_AT
-        self._send_json(200, reply)
+        # Its Modelfile, parameters, system prompt, ... and modified_at: what its layers say.
+        self._send_json(200, fake._models.shown(normalized, reply))
+
+    def _manage(self, api: str, raw: bytes) -> None:
+        """``/api/pull``, ``/api/create``, ``/api/copy``, ``/api/delete`` (`ollama_models`).
+
+        Copy and delete answer 200 with no body. Pull and create stream their progress,
+        ``pull_chunk_delay_s`` apart; not streamed, they answer (``application/json``, as
+        Ollama's ``waitForStream``) the last progress object, or the first error with its
+        status (500 unless it has one)."""
+        fake = self._fake
+        with fake._track(api) as self._release:
+            progress = fake._models.answer(api, _parse_object(raw))
+            knobs = _Knobs(0.0, None, fake.pull_chunk_delay_s, None, None)
+            if progress is None:
+                self._send_bytes(200, b"", None)
+            elif progress.stream:
+                lines = (_ndjson(event) for event in progress.events)
+                self._send_stream("application/x-ndjson", lines, lambda: [], b"", knobs)
+            else:
+                status, latest = 200, {}
+                for sent, event in enumerate(progress.events):
+                    if sent and not self._pause(knobs.chunk_delay_s):
+                        self.close_connection = True
+                        return
+                    if "error" in event:
+                        status, latest = event.get("status", 500), {"error": event["error"]}
+                        break
+                    status, latest = 200, event
+                data = json.dumps(latest, ensure_ascii=False, separators=(",", ":")).encode()
+                self._send_bytes(status, data, "application/json")
 
     # ---------------------------------------------------------------- generation
 
@@ -1905,6 +1974,7 @@ class _Handler(BaseHTTPRequestHandler):
         model: str = _field(body, "model", str, struct) or ""
         stream_field: bool | None = _field(body, "stream", bool, struct)
         options: dict[str, Any] = _field(body, "options", dict, struct) or {}
+        options = self._fake._models.options(model, options)  # over the model's parameters
         think = body.get("think")
         if think is not None and not isinstance(think, bool | str):
             raise _ApiError(400, 'think must be a boolean or string ("high", "medium", "low")')
@@ -1921,7 +1991,7 @@ class _Handler(BaseHTTPRequestHandler):
         if chat:
             messages = self._messages(body)
             tools = _tools(body, struct, "api.Tools")
-            prompt, prompt_tokens = _chat_prompt(messages)
+            prompt, prompt_tokens = _chat_prompt(self._fake._models.chat_messages(model, messages))
             if tools:
                 prompt_tokens += _count_tokens(json.dumps(tools))
             empty = not messages
@@ -1929,7 +1999,7 @@ class _Handler(BaseHTTPRequestHandler):
             tool_results = _tool_results(messages)
         else:
             prompt = _field(body, "prompt", str, struct) or ""
-            system = _field(body, "system", str, struct) or ""
+            system = _field(body, "system", str, struct) or self._fake._models.system(model)
             suffix = _field(body, "suffix", str, struct) or ""
             images = _images(body.get("images"), f"{struct}.images")
             prompt_tokens = _count_tokens(system) + _count_tokens(prompt) + 4
@@ -2358,7 +2428,7 @@ class _Handler(BaseHTTPRequestHandler):
         num_ctx = _num_ctx(options)
         load_ns = fake._load(normalized, keep_alive_ns, num_ctx)
         context = min(num_ctx, fake._context_length(normalized))
-        size = _embedding_length(normalized, fake._embeds_only(normalized))
+        size = _embedding_length(fake._models.weights(normalized), fake._embeds_only(normalized))
         texts: list[str] = []
         count = 0
         for given in inputs:
@@ -2468,7 +2538,7 @@ class _Handler(BaseHTTPRequestHandler):
             if not messages:
                 raise _ApiError(400, "[] is too short - 'messages'")
             tools = _tools(body, struct, "[]api.Tool")
-            prompt, prompt_tokens = _chat_prompt(messages)
+            prompt, prompt_tokens = _chat_prompt(self._fake._models.chat_messages(model, messages))
             if tools:
                 prompt_tokens += _count_tokens(json.dumps(tools))
             empty = False
@@ -2490,7 +2560,8 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             prompt = _field(body, "prompt", str, struct) or ""
             suffix = _field(body, "suffix", str, struct) or ""
-            prompt_tokens = _count_tokens(prompt) + 4
+            system = self._fake._models.system(model)  # the generate handler's
+            prompt_tokens = _count_tokens(system) + _count_tokens(prompt) + 4
             empty = prompt == ""
         self._fake._saw_images(len(images))
         return _Ask(
@@ -3001,4 +3072,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Serve with the package's copy of this module, the one `ollama_models` builds on (run as
+    # __main__, this one is a second copy, whose errors and classes would not be the same).
+    from devtools.fakes.ollama import main as package_main
+
+    raise SystemExit(package_main())
