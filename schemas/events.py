@@ -24,7 +24,7 @@ from schemas.measures import Durations as Durations  # noqa: PLC0414
 from schemas.measures import Tokens as Tokens  # noqa: PLC0414
 from schemas.route import DoneReason, Source, ToolCall
 from schemas.subjects import bench_event, quality_event, task_event, worker_event
-from schemas.work import BothShapes, Work
+from schemas.work import BothShapes, ModelOp, Work
 
 
 class TaskSubmitted(Event, frozen=True, kw_only=True, tag="submitted"):
@@ -149,7 +149,23 @@ class WorkerDuplicate(Event, frozen=True, kw_only=True, tag="duplicate"):
     hosts: list[str] = msgspec.field(default_factory=list)
 
 
-WorkerEvent = WorkerRegistered | WorkerStopped | WorkerAsleep | WakeRequested | WorkerDuplicate
+class ModelChanged(Event, frozen=True, kw_only=True, tag="model_changed"):
+    """A worker changed its machine's models (a ``model_change`` task), on
+    ``events.worker.<worker_id>.model_changed``: ``model`` pulled, created (from ``source``),
+    copied (from ``source``) or removed, and its digest there after the change ('' once
+    removed)."""
+
+    worker_id: str
+    task_id: str
+    op: ModelOp
+    model: str
+    source: str | None = None
+    digest: str = ""
+
+
+WorkerEvent = (
+    WorkerRegistered | WorkerStopped | WorkerAsleep | WakeRequested | WorkerDuplicate | ModelChanged
+)
 
 
 class AliasSet(Event, frozen=True, kw_only=True, tag="alias_set"):
@@ -289,6 +305,7 @@ def subject_for(event: AnyEvent, by: str | None = None) -> str:
             | WorkerAsleep()
             | WakeRequested()
             | WorkerDuplicate()
+            | ModelChanged()
         ):
             return worker_event(event.worker_id, kind_of(event))
         case AliasSet():

@@ -273,6 +273,16 @@ class ErrorBody(Wire, frozen=True, kw_only=True):
 CHUNK_HEADER: Final = "Coordinator-Chunk"
 
 
+class ModelProgress(Wire, frozen=True, kw_only=True):
+    """How a change to a machine's models is getting on, as Ollama streams it (``/api/pull``,
+    ``/api/create``): a status, and for a layer being downloaded its digest and bytes."""
+
+    status: str
+    digest: str | None = None
+    total: int | None = None
+    completed: int | None = None
+
+
 class StreamChunk(Wire, frozen=True, kw_only=True):
     """A piece of output, sent as the backend produces it (``stream: true``)."""
 
@@ -285,6 +295,8 @@ class StreamChunk(Wire, frozen=True, kw_only=True):
     attempt: int | None = None
     """The attempt whose output this is: a task the reaper moves starts its answer again in
     its new attempt. None in the router's first chunk, and from a worker that predates it."""
+    progress: ModelProgress | None = None
+    """A ``model_change`` task's progress (its chunks carry no text)."""
 
 
 class CancelRequest(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):

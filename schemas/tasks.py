@@ -7,9 +7,10 @@ from typing import Final
 from schemas.base import Wire
 from schemas.work import BothShapes, TaskType, Work
 
-# Task kinds that one host serves (lesson 8): they are never re-dispatched to another worker,
-# not by the reaper, not by a worker taking over a dead one's message. Their failures surface.
-NON_RETRYABLE_TASK_TYPES: Final[frozenset[TaskType]] = frozenset({"web_search"})
+# Task kinds that one host serves (lesson 8), or that are for one machine (a change to its
+# models): they are never re-dispatched to another worker, not by the reaper, not by a worker
+# taking over a dead one's message. Their failures surface.
+NON_RETRYABLE_TASK_TYPES: Final[frozenset[TaskType]] = frozenset({"web_search", "model_change"})
 
 
 def is_retryable(task_type: TaskType) -> bool:

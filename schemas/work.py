@@ -19,7 +19,7 @@ import msgspec
 
 from schemas.base import Wire
 
-TaskType = Literal["inference", "web_search", "embedding"]
+TaskType = Literal["inference", "web_search", "embedding", "model_change"]
 
 ChatRole = Literal["system", "user", "assistant", "tool"]
 
@@ -54,6 +54,31 @@ class ChatMessage(Wire, frozen=True, kw_only=True):
     """A ``tool`` turn: the name of the tool whose result ``content`` is (Ollama's field)."""
     tool_call_id: str | None = None
     """A ``tool`` turn: the call it answers (OpenAI's field)."""
+
+
+ModelOp = Literal["pull", "create", "copy", "delete"]
+
+
+class ModelChange(Wire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A change to the models of one machine (a ``model_change`` task), carried out by its
+    worker through its backend's own API: Ollama's ``/api/pull``, ``/api/create``,
+    ``/api/copy`` and ``/api/delete``. The name changed is the task's model: the model
+    pulled, created, copied to, or removed. The fields of ``create`` are Ollama's."""
+
+    op: ModelOp
+    source: str | None = None
+    """The model copied (``copy``), or built upon (``create``'s ``from``)."""
+    system: str | None = None
+    template: str | None = None
+    parameters: dict[str, Any] | None = None
+    messages: list[ChatMessage] | None = None
+    license: str | list[str] | None = None
+    quantize: str | None = None
+    insecure: bool = False
+    """``pull``: allow a registry without TLS."""
+    size: int | None = None
+    """``pull``: the bytes the model takes on disk where the fleet already has it; a machine
+    with less free space refuses before it starts (None: not known, not checked)."""
 
 
 class Work(Wire, frozen=True, kw_only=True):
@@ -95,6 +120,8 @@ class Work(Wire, frozen=True, kw_only=True):
     normalize: bool = True
     """Embedding: unit-length vectors (``/api/embed``, ``/v1/embeddings``); false for Ollama's
     older ``/api/embeddings``, whose vectors are the model's own."""
+    change: ModelChange | None = None
+    """A ``model_change`` task's change (and only such a task's)."""
 
 
 def work_only(work: Work) -> Work:

@@ -200,6 +200,14 @@ class BackendError(CoordinatorError):
     code = "backend_error"
 
 
+class InsufficientStorage(BackendError):
+    """A machine without the disk space a change to its models needs (a pull): refused
+    before it starts."""
+
+    code = "insufficient_storage"
+    http_status = failed_http_status = 507
+
+
 class BackendServerError(BackendError):
     """The model server failed at its own work: an HTTP 5xx (a runner that crashed or ran
     out of memory, a server too busy), an error it reported mid-stream, or a stream it cut

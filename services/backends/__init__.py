@@ -10,12 +10,15 @@ from typing import Any, Protocol
 
 from schemas.events import Durations, Tokens
 from schemas.models import ModelFacts
-from schemas.route import DoneReason, ToolCall
-from schemas.work import Work
+from schemas.route import DoneReason, ModelProgress, ToolCall
+from schemas.work import ModelChange, Work
 from services.errors import BackendError, BackendServerError
 
 # Called as output arrives, so a long generation can tell the bus it is still working.
 Progress = Callable[[], Awaitable[None]]
+
+# Called with each step of a change to the server's models (a pull's bytes, say).
+OnModelProgress = Callable[[ModelProgress], Awaitable[None]]
 
 
 class OnChunk(Protocol):
@@ -132,6 +135,15 @@ class Backend(Protocol):
         a cold load, each with the memory it takes (bytes; 0 when not said); None when the
         server has no way to say. Raises `BackendUnavailable` when it is down,
         `BackendError` when it answers otherwise."""
+        ...
+
+    async def change_model(
+        self, model: str, change: ModelChange, *, timeout_s: float, on_progress: OnModelProgress
+    ) -> None:
+        """Make ``change`` to ``model`` on the server through its own API, within
+        ``timeout_s``, ``on_progress`` seeing each step; raises `BackendError` with the
+        server's reason when it refuses or fails (a server that cannot change its models at
+        all says so)."""
         ...
 
     async def aclose(self) -> None: ...

@@ -1,8 +1,9 @@
 """Ollama over HTTP: ``/api/tags`` and ``/api/show`` for the models (``/api/ps``: those
 loaded), streamed ``/api/generate`` for the work (``/api/chat`` for a task that carries a
-conversation or tools), ``/api/embed`` for vectors. The request bodies are built by
-`ollama_request` and the answers read by `ollama_reply` (both pure); this module is the HTTP
-client.
+conversation or tools), ``/api/embed`` for vectors, and ``/api/pull``, ``/api/create``,
+``/api/copy`` and ``/api/delete`` for a change to its models. The request bodies are built by
+`ollama_request` (`ollama_models` for the changes) and the answers read by `ollama_reply`
+(all pure); this module is the HTTP client.
 
 Streaming is used even though the answer is returned whole: each chunk is a sign of life
 (the worker turns it into ``in_progress()``), and the first chunk gives time to first token.
@@ -25,9 +26,18 @@ import structlog
 
 from schemas.events import Durations
 from schemas.models import ModelFacts
-from schemas.work import Work
-from services.backends import Embedding, Generation, OnChunk, Progress, answer_error, drain
+from schemas.work import ModelChange, Work
+from services.backends import (
+    Embedding,
+    Generation,
+    OnChunk,
+    OnModelProgress,
+    Progress,
+    answer_error,
+    drain,
+)
 from services.backends.http import HttpClient, describe, lines
+from services.backends.ollama_models import change_request, progress_line, succeeded
 from services.backends.ollama_reply import (
     StreamedAnswer,
     Tag,
@@ -241,6 +251,43 @@ class OllamaBackend:
                     reply.status, f"Ollama answered HTTP {reply.status}: {error_text(text)}"
                 )
             return content
+
+    async def change_model(
+        self, model: str, change: ModelChange, *, timeout_s: float, on_progress: OnModelProgress
+    ) -> None:
+        """See `Backend.change_model`: pull and create stream their progress (to Ollama's
+        ``success`` line), copy and delete answer an empty 200."""
+        request = change_request(model, change)
+        what = f"{change.op} {model} on Ollama at {self._base_url}"
+        try:
+            async with (
+                asyncio.timeout(timeout_s),
+                self._client.sent(
+                    request.method,
+                    request.path,
+                    body=_body_encoder.encode(request.body),
+                    headers=_NDJSON if request.streams else _JSON,
+                ) as reply,
+            ):
+                if reply.status != 200:
+                    text = (await reply.read()).decode(errors="replace")
+                    raise answer_error(reply.status, f"{what}: {error_text(text)}")
+                if not request.streams:
+                    return
+                async for line in lines(reply):
+                    if not line.strip():
+                        continue
+                    progress = progress_line(line)
+                    await on_progress(progress)
+                    if succeeded(progress):
+                        return
+        except TimeoutError as exc:
+            raise BackendTimeout(f"{what}: not done within {timeout_s:g} s") from exc
+        except aiohttp.ClientError as exc:
+            raise BackendUnavailable(
+                f"Ollama at {self._base_url} cannot be reached: {describe(exc)}"
+            ) from exc
+        raise BackendError(f"{what}: the stream ended before Ollama said success")
 
     async def model_facts(self, served: list[str]) -> dict[str, ModelFacts]:
         """Digest, size, details and date from ``/api/tags`` (one call); capabilities and the

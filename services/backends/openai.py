@@ -20,11 +20,12 @@ import msgspec
 import structlog
 
 from schemas.models import EMBEDDING, ModelFacts
-from schemas.work import Work
+from schemas.work import ModelChange, Work
 from services.backends import (
     Embedding,
     Generation,
     OnChunk,
+    OnModelProgress,
     Progress,
     answer_error,
     drain,
@@ -214,6 +215,15 @@ class OpenAIBackend:
             len(work.input or ()),
             self._base_url,
             (time.perf_counter() - started) * 1000,
+        )
+
+    async def change_model(
+        self, model: str, change: ModelChange, *, timeout_s: float, on_progress: OnModelProgress
+    ) -> None:
+        """An OpenAI-compatible server has no API to change its models."""
+        raise BackendError(
+            f"cannot {change.op} {model}: the OpenAI-compatible server at {self._base_url} "
+            "has no API to change its models (change them on that machine)"
         )
 
     async def model_facts(self, served: list[str]) -> dict[str, ModelFacts]:

@@ -21,7 +21,16 @@ from schemas import events, leaders, queries, route, stats, tasks, vectors, work
 from schemas.models import COMPLETION, facts_in
 from schemas.subjects import STATS, TASK, WORKERS
 from services import __version__
-from services.cli import deploy, doctor, identities, join, keys, model_table, stats_commands
+from services.cli import (
+    deploy,
+    doctor,
+    identities,
+    join,
+    keys,
+    model_changes,
+    model_table,
+    stats_commands,
+)
 from services.cli.client import open_client, route_and_wait, say_asking_again
 from services.cli.stopping import budget_of
 from services.errors import ConfigError, CoordinatorError
@@ -148,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.register(sub)  # the gateway's API keys
     identities.register(sub)  # invite, revoke, identities: one NATS identity each
     join.register(sub)
+    model_changes.register(sub)  # pull, create, copy, rm on chosen machines
     return parser
 
 

@@ -138,6 +138,13 @@ class Owner(NamedTuple):
         return cls.of(asker_of(reply), client)
 
 
+def may_change_models(asker: str | None) -> bool:
+    """Whether a request from ``asker`` may change the machines' models (pull, create, copy,
+    remove): the operator only. On a bus without identities (None) nothing proves who asks,
+    and whoever may reach the router may, as with every other change there."""
+    return asker is None or is_operator(asker)
+
+
 def may_see(task: Owner, viewer: Owner) -> bool:
     """Whether ``viewer`` may read, follow or cancel a task ``task`` asked for: the operator
     always; for a task that came in with a gateway's key, whoever speaks for that key; else

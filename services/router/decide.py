@@ -16,7 +16,7 @@ from schemas.models import needs_of
 from schemas.route import RouteRequest
 from schemas.work import Work
 from schemas.workers import WorkerRecord
-from services.errors import BadRequest, NoWorker, UnsupportedCapability
+from services.errors import BadRequest, NoWorker, UnsupportedCapability, WorkerUnavailable
 from services.fleet import policy
 from services.fleet.domains import classify_domain
 from services.fleet.identity import asker_of
@@ -47,6 +47,8 @@ def decide(
     take it."""
     if request.task_type == "web_search":
         return Plan(policy.choose_web(live))
+    if request.task_type == "model_change":
+        return _machine_of(request, live, sleepers)
     domain = request.domain or classify_domain(request.prompt)
     needs = needs_of(request)
     candidates = [w.worker_id for w in live if request.model in w.models]
@@ -69,6 +71,20 @@ def decide(
         woken = policy.decision_for(sleeper, "sleeping worker woken for the task")
         return Plan(woken, sleeper, domain)
     return Plan(decision, domain=domain)
+
+
+def _machine_of(
+    request: RouteRequest, live: Collection[WorkerRecord], sleepers: Collection[WorkerRecord]
+) -> Plan:
+    """A change to one machine's models goes to that machine's worker, whatever it serves
+    (a pull brings a model it does not have): live, or asleep and woken for it."""
+    for record in live:
+        if record.worker_id == request.worker:
+            return Plan(policy.decision_for(record, "a change to its models"))
+    for record in sleepers:
+        if record.worker_id == request.worker:
+            return Plan(policy.decision_for(record, "woken for a change to its models"), record)
+    raise WorkerUnavailable(f"worker '{request.worker}' is not registered and alive")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -66,7 +66,9 @@ def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
     problem = request_problem(request)
     if problem is not None:
         raise BadRequest(problem)
-    if request.task_type == "embedding":
+    if request.task_type == "model_change" or request.change is not None:
+        request = _model_change(request)
+    elif request.task_type == "embedding":
         if not request.input:
             raise BadRequest("an embedding request needs input: a non-empty list of texts")
         if not request.prompt:
@@ -112,6 +114,27 @@ def parse_route_request(body: bytes, max_prompt_chars: int) -> RouteRequest:
     return request
 
 
+def _model_change(request: RouteRequest) -> RouteRequest:
+    """A change to one machine's models: the change, on the worker named, with its prompt
+    saying what it is when the client gave none (statistics and `coordinator task` show it)."""
+    change = request.change
+    if request.task_type != "model_change" or change is None:
+        raise BadRequest("a change to models is task_type 'model_change' with its change")
+    if request.worker is None:
+        raise BadRequest("a change to models names the machine it is for (worker)")
+    if change.op in ("copy", "create") and not change.source:
+        raise BadRequest(
+            f"a {change.op} names the model it starts from (change.source: "
+            f"{'the model copied' if change.op == 'copy' else 'FROM'})"
+        )
+    if change.size is not None and change.size < 0:
+        raise BadRequest(f"change.size must not be negative, got {change.size}")
+    if request.prompt.strip():
+        return request
+    source = f" from {change.source}" if change.source else ""
+    return msgspec.structs.replace(request, prompt=f"{change.op} {request.model}{source}")
+
+
 def as_routed(request: RouteRequest, model: str) -> RouteRequest:
     """The request as it is routed: under the canonical name of its model (requests,
     registrations and statistics all use it, lesson 6), and an embedding's in the embedding
@@ -151,7 +174,9 @@ def admit(
     """The request checked (`parse_route_request`), under the canonical name ``resolve``
     gives its model (`as_routed`), and small enough for one NATS message (`check_size`)."""
     asked = parse_route_request(body, max_prompt_chars)
-    routed = as_routed(asked, resolve(asked.model))
+    # A change to models names a model as the machine has it, or will: never an alias's.
+    model = asked.model if asked.task_type == "model_change" else resolve(asked.model)
+    routed = as_routed(asked, model)
     check_size(max(len(body), len(_encoder.encode(routed))), max_payload)
     return Admitted(asked_model=asked.model, routed=routed)
 

@@ -53,13 +53,14 @@ from schemas.subjects import (
 from services import __version__
 from services.errors import (
     CoordinatorError,
+    Forbidden,
     NoWorker,
     Unavailable,
     UnsupportedCapability,
 )
 from services.fleet import liveness
 from services.fleet.binding import refusal
-from services.fleet.identity import Owner, is_operator, may_see
+from services.fleet.identity import Owner, asker_of, is_operator, may_change_models, may_see
 from services.router.backlog import Backlog
 from services.router.cancelling import Canceller
 from services.router.consumers import own_consumer
@@ -342,6 +343,9 @@ class Router:
             max_payload=self.nc.max_payload,
             resolve=self.resolve_model,
         )
+        asker = asker_of(reply_subject.get())
+        if admitted.routed.task_type == "model_change" and not may_change_models(asker):
+            raise Forbidden(f"only the operator may change the machines' models (not {asker})")
         with self.peers.arrived(admitted.routed.task_id):
             return await self._handle_route(admitted)
 

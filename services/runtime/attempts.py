@@ -7,15 +7,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client
 
 from schemas.events import Durations, TaskCompleted, TaskFailed
-from schemas.route import CHUNK_HEADER, CancelNotice, StreamChunk, ToolCall
+from schemas.route import CHUNK_HEADER, CancelNotice, ModelProgress, StreamChunk, ToolCall
 from schemas.subjects import chunk_subject
 from schemas.tasks import TaskMessage
-from services.backends import OnChunk
+from services.backends import OnChunk, OnModelProgress
 from services.errors import Cancelled, TooLarge
 
 # What headers and the event's own fields add to an outcome beyond its answer: an outcome is
@@ -111,32 +112,32 @@ def cancelled(
     )
 
 
-def chunk_publisher(
+def chunk_publishers(
     nc: Client, task: TaskMessage, claimed: asyncio.Future[bool], worker_id: str
-) -> OnChunk:
-    """Publish each piece on this worker's chunk subject for the task, for the router to pass
-    on (core NATS: a lost chunk is only a gap on the screen; the whole answer is in the
-    outcome event), once the attempt's claim is stored: a stale copy sends nothing."""
+) -> tuple[OnChunk, OnModelProgress]:
+    """Publish each piece of output (and each step of a change to the models) on this
+    worker's chunk subject for the task, for the router to pass on (core NATS: a lost chunk
+    is only a gap on the screen; the whole answer is in the outcome event), once the
+    attempt's claim is stored: a stale copy sends nothing."""
     subject = chunk_subject(worker_id, task.task_id)
     seq = 0
 
-    async def publish(
-        response: str, thinking: str, tool_calls: list[ToolCall] | None = None
-    ) -> None:
+    async def send(**piece: Any) -> None:
         nonlocal seq
         if not claimed.done():
             await asyncio.wait([claimed])
         if claimed.cancelled() or claimed.exception() is not None or not claimed.result():
             return
         seq += 1
-        chunk = StreamChunk(
-            task_id=task.task_id,
-            seq=seq,
-            response=response,
-            thinking=thinking,
-            tool_calls=tool_calls,
-            attempt=task.attempt,
-        )
+        chunk = StreamChunk(task_id=task.task_id, seq=seq, attempt=task.attempt, **piece)
         await nc.publish(subject, _encoder.encode(chunk), headers={CHUNK_HEADER: str(seq)})
 
-    return publish
+    async def output(
+        response: str, thinking: str, tool_calls: list[ToolCall] | None = None
+    ) -> None:
+        await send(response=response, thinking=thinking, tool_calls=tool_calls)
+
+    async def progress(step: ModelProgress) -> None:
+        await send(progress=step)
+
+    return output, progress

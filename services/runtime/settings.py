@@ -14,6 +14,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -195,6 +196,11 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
     """How much of models the backend holds in memory (GB, as ``ollama ps`` counts them:
     10^9 bytes), for routing to tell what a load would push out; unset: the most the worker
     has seen held at once."""
+    ollama_models: str | None = None
+    """Where the backend keeps its models (Ollama's own variable): a pull asked of a machine
+    with less free space there than the model takes is refused before it starts. Unset: the
+    first of Ollama's defaults that exists (``~/.ollama/models``, the Linux service's
+    ``/usr/share/ollama/.ollama/models``); none: not checked."""
     shared_queue: bool = True
     """CPU workers also pull ``tasks.cpu.shared``."""
     sanity_check: bool = True
@@ -263,6 +269,14 @@ class WorkerSettings(Settings, frozen=True, kw_only=True):
         if self.worker_watchdog_s is not None:
             return self.worker_watchdog_s
         return self.worker_ttl_s - self.heartbeat_interval_s
+
+    @property
+    def models_dir(self) -> Path | None:
+        """Where the backend keeps its models (`ollama_models`), if known."""
+        if self.ollama_models:
+            return Path(self.ollama_models).expanduser()
+        defaults = (Path.home() / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models"))
+        return next((path for path in defaults if path.is_dir()), None)
 
     @property
     def memory_bytes(self) -> int | None:

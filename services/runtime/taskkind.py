@@ -14,7 +14,7 @@ from schemas.events import TaskCompleted, TaskFailed
 from schemas.models import ModelFacts
 from schemas.tasks import TaskMessage
 from schemas.workers import Capability
-from services.backends import OnChunk, Progress
+from services.backends import OnChunk, OnModelProgress, Progress
 from services.fleet.health import Health
 from services.runtime.consumers import Queue
 from services.runtime.settings import NatsAuth
@@ -101,6 +101,10 @@ class Attempt:
     on_chunk: OnChunk | None  # the stream's publisher, when the client streams
     cut: asyncio.Event  # set when a stop's grace is over: record what you have, now
     log: FilteringBoundLogger
+    on_model_progress: OnModelProgress | None = None  # a streamed change's steps
+    announce: Progress | None = None
+    """Store the worker's registry entry now (what it serves changed: routing follows at once,
+    not at the next heartbeat)."""
 
 
 class Kind(Protocol):

@@ -154,6 +154,7 @@ class TaskLoop:
         # on the backend (sanity runs). Until they pass, the entry lists no model, so nothing
         # is routed here; then it is renewed at once with them.
         self.lease = Lease(self.runner.registry, s.worker_id, s.worker_ttl_s, self.record)
+        self.runner.announce = self.lease.renew
         # Its bucket may still be electing a leader: taking the key again is safe (a create
         # whose answer was lost is found to be this process's own).
         await answered(self.lease.acquire, f"the lease of worker '{s.worker_id}'")

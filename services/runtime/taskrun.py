@@ -25,12 +25,13 @@ from structlog.typing import FilteringBoundLogger
 from schemas.events import TaskCompleted, TaskFailed, TaskStarted
 from schemas.route import CancelNotice
 from schemas.tasks import TaskMessage, task_decoder
+from services.backends import Progress
 from services.errors import Cancelled
 from services.runtime.acks import NAK, TERM, settle
 from services.runtime.attempts import (
     CancelMemory,
     cancelled,
-    chunk_publisher,
+    chunk_publishers,
     fitting,
     refused,
 )
@@ -83,6 +84,8 @@ class TaskRunner:
         # Told when the kind's work on a task starts (True) and ends (False): the watchdog
         # (`services.runtime.watchdog`) learns it at once, not at its next tick.
         self.on_working: Callable[[bool], None] = lambda working: None
+        # Stores the worker's registry entry now (the loop's lease, once taken).
+        self.announce: Progress | None = None
         self._cancels = CancelMemory()  # from `CANCEL_NOTICES`
 
     @property
@@ -233,10 +236,10 @@ class TaskRunner:
         bound: FilteringBoundLogger,
     ) -> TaskCompleted | TaskFailed:
         """The kind's work on a claimed task, kept alive, stoppable by a cancel notice."""
-        on_chunk = (
-            chunk_publisher(self.nc, task, claimed, self.settings.worker_id)
+        on_chunk, on_model_progress = (
+            chunk_publishers(self.nc, task, claimed, self.settings.worker_id)
             if task.work.stream
-            else None
+            else (None, None)
         )
         started = time.perf_counter()
         notice = self._cancels.stopping(task.task_id, task.attempt)
@@ -248,7 +251,17 @@ class TaskRunner:
             async with KeepAlive(msg, self.settings.ack_wait_s) as alive:
                 # A future of its own, so a cancel notice can stop the work alone.
                 self._work = asyncio.ensure_future(
-                    self.kind.run(Attempt(task, alive.progress, on_chunk, self.cut, bound))
+                    self.kind.run(
+                        Attempt(
+                            task,
+                            alive.progress,
+                            on_chunk,
+                            self.cut,
+                            bound,
+                            on_model_progress=on_model_progress,
+                            announce=self.announce,
+                        )
+                    )
                 )
                 self.on_working(True)  # before the work's first step sends anything
                 outcome = await self._work

@@ -143,13 +143,15 @@ def outcome_of(before: TaskState | None, after: TaskState | None) -> Outcome | N
 
     An attempt has an outcome once, when it first becomes terminal (done or failed); a task
     whose model is still unknown (no ``submitted`` and no ``completed`` seen) has none, since
-    the model is the figures' key. Durations are kept for failures too (the time they
-    cost); figures take durations from done outcomes only.
+    the model is the figures' key, nor has a change to a machine's models. Durations are kept
+    for failures too (the time they cost); figures take durations from done outcomes only.
     """
     if after is None or not after.terminal or not after.model:
         return None
     if after.error_code == Cancelled.code:
         return None  # the client went away: says nothing of the worker's or the model's speed
+    if after.task_type == "model_change":
+        return None  # a pull's or a removal's time says nothing of the model's speed
     if before is not None and before.terminal and before.attempt == after.attempt:
         return None
     return Outcome(

@@ -81,7 +81,8 @@ ORDER BY b.worker, b.prompt_key
 """
 _UNSCORED: Final = (
     f"SELECT {', '.join(TASK_COLUMNS)} FROM tasks t "
-    "WHERE t.status = 'done' AND t.response IS NOT NULL AND t.task_type <> 'embedding' "
+    "WHERE t.status = 'done' AND t.response IS NOT NULL "
+    "AND t.task_type NOT IN ('embedding', 'model_change') "
     "AND NOT EXISTS (SELECT 1 FROM quality q WHERE q.task_id = t.task_id) "
     "ORDER BY t.ended_at, t.task_id LIMIT $1"
 )

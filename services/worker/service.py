@@ -3,12 +3,15 @@
 The task loop (`services.runtime.taskloop`) does the pulling, claiming, keeping alive,
 storing and acknowledging; this is the inference kind: which models the backend serves
 (each one sanity-checked), what each can do, and one backend call per task (a generation
-with everything the client asked for, or the embeddings of an embedding task).
+with everything the client asked for, the embeddings of an embedding task, or a change to
+the machine's models: a pull, create, copy or removal, after which the worker lists its
+models again, announces them at once and records what changed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from collections.abc import Awaitable
 from contextlib import suppress
@@ -18,17 +21,23 @@ import structlog
 from nats.aio.client import Client
 from opentelemetry import trace
 
-from schemas.events import Durations, TaskCompleted, TaskFailed
-from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing, needs_of
-from schemas.route import ToolCall
+from schemas.events import Durations, ModelChanged, TaskCompleted, TaskFailed
+from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing, name_variants, needs_of
+from schemas.route import ModelProgress, ToolCall
 from schemas.tasks import TaskMessage
-from schemas.work import Work
+from schemas.work import ModelChange, Work
 from services.backends import Backend, Embedding, Generation, OnChunk, Progress, embedding_work
 from services.backends.choose import make_backend
-from services.errors import BackendError, BackendUnavailable, ConfigError
+from services.errors import (
+    BackendError,
+    BackendUnavailable,
+    BadRequest,
+    ConfigError,
+    InsufficientStorage,
+)
 from services.fleet.health import HealthPolicy
 from services.runtime.aliases import AliasFollower, AliasPoller
-from services.runtime.bus import connect
+from services.runtime.bus import connect, publish_event
 from services.runtime.consumers import CPU_POOL, Queue, own_queue
 from services.runtime.lifecycle import close_bus, stop_within
 from services.runtime.settings import WorkerSettings
@@ -48,6 +57,7 @@ class Inference:
     """The inference kind: serves the backend's models, one backend call per task."""
 
     def __init__(self, nc: Client, settings: WorkerSettings, backend: Backend) -> None:
+        self.js = nc.jetstream()
         self.settings = settings
         self.backend = backend
         self.supports = list(settings.worker_supports)
@@ -223,6 +233,8 @@ class Inference:
         """One backend call; a backend error is the task's failure, one another worker may
         run again (`runs_elsewhere`) unless output of it was streamed already."""
         task = attempt.task
+        if task.work.task_type == "model_change":
+            return await self._change_models(attempt)
         started = time.perf_counter()
         streamed = False
         on_chunk = attempt.on_chunk
@@ -284,6 +296,108 @@ class Inference:
             tool_calls=result.tool_calls,
             done_reason=result.done_reason,
         )
+
+    async def _change_models(self, attempt: Attempt) -> TaskCompleted | TaskFailed:
+        """Make the task's change to the machine's models through the backend, then list the
+        models again and announce them (routing, aliases and statistics follow at once), and
+        record what changed (`ModelChanged`). Never run elsewhere: a failure is the task's."""
+        task, change = attempt.task, attempt.task.work.change
+        started = time.perf_counter()
+        try:
+            if change is None:
+                raise BadRequest("a model_change task carries no change")
+            self._check_space(change)
+            name = self._served_name(task.model) if change.op == "delete" else task.model
+            source = self._served_name(change.source) if change.source else None
+            if source is not None:
+                change = msgspec.structs.replace(change, source=source)
+
+            async def on_progress(step: ModelProgress) -> None:
+                await attempt.progress()
+                if attempt.on_model_progress is not None:
+                    await attempt.on_model_progress(step)
+
+            with tracer.start_as_current_span(
+                f"backend {change.op}",
+                kind=trace.SpanKind.CLIENT,
+                attributes={"server.address": self.backend.address, "model": name},
+            ):
+                await self.backend.change_model(
+                    name, change, timeout_s=task.timeout_s, on_progress=on_progress
+                )
+        except (BackendError, BadRequest) as exc:
+            attempt.log.warning("model change failed", model=task.model, error=exc.message)
+            return TaskFailed(
+                at=time.time(),
+                task_id=task.task_id,
+                attempt=task.attempt,
+                worker=self.settings.worker_id,
+                code=exc.code,
+                reason=exc.message,
+                durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
+            )
+        name, digest = await self._learn_changed(name)
+        if attempt.announce is not None:
+            with suppress(Exception):  # the next heartbeat says it anyway
+                await attempt.announce()
+        changed = ModelChanged(
+            at=time.time(),
+            worker_id=self.settings.worker_id,
+            task_id=task.task_id,
+            op=change.op,
+            model=name,
+            source=change.source,
+            digest=digest,
+        )
+        await publish_event(self.js, changed)
+        attempt.log.info("models changed", op=change.op, model=name, digest=digest)
+        done = "removed" if change.op == "delete" else f"{change.op} done, digest {digest or '?'}"
+        return TaskCompleted(
+            at=time.time(),
+            task_id=task.task_id,
+            attempt=task.attempt,
+            worker=self.settings.worker_id,
+            model=task.model,
+            response=f"{name} on {self.settings.worker_id}: {done}",
+            durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
+        )
+
+    def _check_space(self, change: ModelChange) -> None:
+        """Refuse a pull the machine has no room for, before it starts (when both the model's
+        size and where the backend keeps its models are known)."""
+        where = self.settings.models_dir
+        if change.op != "pull" or not change.size or where is None:
+            return
+        free = shutil.disk_usage(where).free
+        if free < change.size:
+            raise InsufficientStorage(
+                f"{self.settings.worker_id} has {free / 1e9:.1f} GB free in {where}, and the "
+                f"model takes {change.size / 1e9:.1f} GB"
+            )
+
+    def _served_name(self, model: str) -> str:
+        """The name the backend lists ``model`` under (``jp`` is ``jp:latest``), if it does."""
+        variants = name_variants(self.backend_name(model))
+        return next((name for name in self.served if name in variants), model)
+
+    async def _learn_changed(self, name: str) -> tuple[str, str]:
+        """List the backend's models again after a change (with their facts), keeping the
+        wanted ones (``WORKER_MODELS``; a model just pulled or made is served: it was asked
+        for by name); ``name`` as the backend lists it now, and its digest ('' once gone)."""
+        try:
+            listed = await self.backend.list_models()
+        except BackendError as exc:
+            log.warning("models not listed again after a change", error=exc.message)
+            return name, ""
+        wanted = self.settings.worker_models
+        changed = name_variants(name)
+        kept = [m for m in listed if not wanted or m in wanted or m in changed or m in self.served]
+        await self.read_facts(kept)
+        self.served = kept
+        listed_as = next((m for m in changed if m in self.served_facts), None)
+        if listed_as is None:
+            return name, ""
+        return listed_as, self.served_facts[listed_as].digest
 
     def _call_backend(
         self, task: TaskMessage, progress: Progress, on_chunk: OnChunk | None

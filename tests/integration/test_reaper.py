@@ -30,9 +30,9 @@ from schemas.events import (
 )
 from schemas.models import ModelFacts
 from schemas.tasks import TaskMessage
-from schemas.work import Work
+from schemas.work import ModelChange, Work
 from schemas.workers import WorkerRecord
-from services.backends import Embedding, Generation
+from services.backends import Embedding, Generation, OnModelProgress
 from services.reaper.actions import Actions
 from services.reaper.decisions import Fail
 from services.reaper.detectors import TaskFinding
@@ -189,6 +189,11 @@ class WedgedBackend:
 
     async def resident_models(self) -> None:
         return None
+
+    async def change_model(
+        self, model: str, change: ModelChange, *, timeout_s: float, on_progress: OnModelProgress
+    ) -> None:
+        raise AssertionError("no model is changed here")
 
     async def aclose(self) -> None:
         pass

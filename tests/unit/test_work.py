@@ -9,7 +9,7 @@ import pytest
 from schemas.events import TaskRouted, TaskSubmitted, any_event_decoder, task_event_decoder
 from schemas.route import ChatMessage, RouteRequest, ToolCall
 from schemas.tasks import TaskMessage, task_decoder
-from schemas.work import Work
+from schemas.work import ModelChange, Work
 from services.fleet.dispatch import routed_event, task_message
 from services.fleet.policy import Decision
 from services.router.decide import Plan, submission
@@ -42,6 +42,7 @@ EVERYTHING = Work(
     truncate=False,
     dimensions=64,
     normalize=False,
+    change=ModelChange(op="create", source="qwen3:8b", system="Answer in Japanese."),
 )
 
 
