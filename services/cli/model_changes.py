@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     def machines(parser: argparse.ArgumentParser, *, every: str) -> None:
         group = parser.add_mutually_exclusive_group(required=True)
         group.add_argument("--on", nargs="+", metavar="WORKER", help="the machines, by worker id")
-        group.add_argument("--all", action="store_true", help=every)
+        group.add_argument("--all", action="store_true", help=f"{every} (live ones)")
         parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S")
 
     pull = sub.add_parser("pull", help="pull a model onto chosen machines (through their Ollama)")
@@ -97,18 +97,13 @@ def _has(worker: WorkerView, model: str) -> bool:
 def machines_for(
     change: ModelChange, model: str, workers: Sequence[WorkerView], on: Sequence[str] | None
 ) -> list[str]:
-    """The worker ids the change goes to: those named (each must be registered), or with
-    ``on`` None every one it makes sense on (a pull: those that lack the model; a removal:
+    """The worker ids the change goes to: those named (a sleeping machine is not among the
+    live ``workers``: the router wakes it, or says it knows no such worker), or with ``on``
+    None every live one it makes sense on (a pull: those that lack the model; a removal:
     those that have it; a copy or create: those that have its source)."""
-    known = {w.worker_id: w for w in workers if w.tier != "web"}
     if on is not None:
-        unknown = [w for w in on if w not in known]
-        if unknown:
-            raise BadRequest(
-                f"no registered worker {', '.join(unknown)} (registered: "
-                f"{', '.join(sorted(known)) or 'none'})"
-            )
         return list(dict.fromkeys(on))
+    known = {w.worker_id: w for w in workers if w.tier != "web"}
     wanted = model if change.op in ("pull", "delete") else change.source or model
     chosen = [w.worker_id for w in known.values() if _has(w, wanted) != (change.op == "pull")]
     if not chosen:

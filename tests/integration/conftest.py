@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Iterator
 
 import nats
@@ -39,3 +40,12 @@ def processes() -> Iterator[Processes]:
     procs = Processes()
     yield procs
     procs.stop_all()
+
+
+@pytest.fixture
+def wol_listener() -> Iterator[socket.socket]:
+    """A loopback UDP port standing in for a sleeping machine's network card."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.settimeout(10)
+        yield sock

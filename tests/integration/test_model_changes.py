@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from tests.harness import (
     run_cli,
     workers_live,
 )
+from tests.integration.test_sleep_wake import sleeps, sleepy
 
 SERVED = "qwen2.5:0.5b"
 PULLED = "llama3.2:1b"
@@ -267,3 +269,29 @@ async def test_only_the_operator_may_change_models_and_a_change_names_its_machin
         nc, ROUTE, {**change, "change": {"op": "pull"}, "worker": "nobody"}, timeout_s=30
     )
     assert headers.get("Nats-Service-Error-Code") == "worker_unavailable", unknown
+
+
+async def test_a_sleeping_machine_is_woken_for_a_pull_and_pulls_once_it_is_back(
+    nats_server: NatsServer,
+    nc: Client,
+    runner: ServiceRunner,
+    tmp_path: Path,
+    wol_listener: socket.socket,
+) -> None:
+    with FakeOllama(models=[SERVED]) as fake:
+        port = wol_listener.getsockname()[1]
+        runner.router(nats_server.url, wol_broadcast="127.0.0.1", wol_port=port, wake_wait_s=30.0)
+        await asyncio.wait_for(
+            runner.worker(nats_server.url, fake.url, "pc", **sleepy(tmp_path)), timeout=15
+        )
+        await eventually(lambda: sleeps(nc, "pc"))
+        pulling = asyncio.ensure_future(cli(nats_server, tmp_path, "pull", PULLED, "--on", "pc"))
+        packet, _ = await asyncio.to_thread(wol_listener.recvfrom, 200)
+        assert packet == b"\xff" * 6 + bytes.fromhex("aabbccddeeff") * 16
+        # The machine boots and its worker starts again: the pull waits in its queue.
+        runner.worker(nats_server.url, fake.url, "pc", worker_supports=["gpu_inference"])
+        pulled = await pulling
+
+    assert pulled.returncode == 0, pulled.stderr
+    assert pulled.stdout.splitlines()[-1].startswith(f"pc: {PULLED} on pc: pull done")
+    assert PULLED in await models_of(nc, "pc")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -19,15 +18,6 @@ from tests.harness import ServiceRunner, eventually, request
 
 MODEL = "qwen2.5:0.5b"
 MAC = "aa:bb:cc:dd:ee:ff"
-
-
-@pytest.fixture
-def wol_listener() -> Iterator[socket.socket]:
-    """A loopback UDP port standing in for the sleeping machine's network card."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.settimeout(10)
-        yield sock
 
 
 def sleepy(tmp_path: Path) -> dict[str, object]:
