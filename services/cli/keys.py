@@ -70,7 +70,7 @@ def register(sub: Any) -> None:
         "--operator",
         action="store_true",
         help="the fleet's operator's key: the dashboard shows it every task's id (another "
-        "key sees its own tasks' only)",
+        "key sees its own tasks' only), and it may pull, create, copy and remove models",
     )
     add.set_defaults(func=cmd_add)
 

@@ -140,9 +140,10 @@ class Owner(NamedTuple):
 
 def may_change_models(asker: str | None) -> bool:
     """Whether a request from ``asker`` may change the machines' models (pull, create, copy,
-    remove): the operator only. On a bus without identities (None) nothing proves who asks,
-    and whoever may reach the router may, as with every other change there."""
-    return asker is None or is_operator(asker)
+    remove): the operator only, or a gateway (which passes on only its operator keys'). On a
+    bus without identities (None) nothing proves who asks, and whoever may reach the router
+    may, as with every other change there."""
+    return asker is None or is_operator(asker) or is_gateway(asker)
 
 
 def may_see(task: Owner, viewer: Owner) -> bool:

@@ -122,7 +122,8 @@ def client_of(request: web.Request) -> str | None:
     return name
 
 
-def sees_every_task(request: web.Request) -> bool:
-    """Whether ``request`` may see every task's id: it came in with the operator's key, or
-    through an open gateway (no key, and no task of one)."""
+def acts_as_operator(request: web.Request) -> bool:
+    """Whether ``request`` speaks for the operator: it came in with an operator's key, or
+    through an open gateway (no key, and no task of one; as an Ollama without keys, anyone
+    who reaches it). The operator sees every task's id and changes the machines' models."""
     return request.get(CLIENT) is None or bool(request.get(OPERATOR))

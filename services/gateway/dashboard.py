@@ -25,7 +25,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from services.gateway.access import client_of, sees_every_task
+from services.gateway.access import acts_as_operator, client_of
 from services.gateway.common import encoder
 from services.gateway.dashboard_view import TASK_SECTIONS, for_key
 from services.gateway.feed import Feed
@@ -145,7 +145,7 @@ class Dashboard:
         """The sections naming tasks as this viewer sees them, encoded; none when it sees the
         fleet's as built (the operator's key, an open gateway)."""
         client = client_of(request)
-        if sees_every_task(request) or client is None or not self.feed.built:
+        if acts_as_operator(request) or client is None or not self.feed.built:
             return {}
         own = for_key(self.feed.built, client, self.feed.known.board)
         return {name: encoder.encode(value) for name, value in own.items()}

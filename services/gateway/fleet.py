@@ -139,13 +139,11 @@ def serving(
     workers: Sequence[WorkerView],
     aliases: Mapping[str, str] | None = None,
     *,
-    pull: bool = False,
     settling: bool = False,
 ) -> Served:
     """The model ``asked`` names (`resolve`), else the error: 404 in Ollama's words while some
-    inference worker is live (for a pull: saying the gateway cannot pull, and where the served
-    models are listed), 503 when none is (`refusal_status`'s rule for ``no_worker``), and 503
-    ``unavailable`` while the router's view is ``settling`` (`settling_refusal`)."""
+    inference worker is live, 503 when none is (`refusal_status`'s rule for ``no_worker``),
+    and 503 ``unavailable`` while the router's view is ``settling`` (`settling_refusal`)."""
     served = served_models(workers)
     found = served.get(resolve(asked, served, aliases or {}))
     if found is not None:
@@ -159,11 +157,6 @@ def serving(
             f"model '{asked}' is not served: no inference worker is live",
         )
     message = f"model '{asked}' not found"
-    if pull:
-        message += (
-            ": the Coordinator gateway cannot pull models onto its workers, and no live worker"
-            " serves this one; GET /api/tags lists the models the fleet serves"
-        )
     raise ApiError(refusal_status("no_worker", fleet_has_workers=True), "no_worker", message)
 
 

@@ -2,11 +2,13 @@
 ``coordinator.route``, on aiohttp: the app's routes, each a thin handler, and the lifecycle.
 
 Every generation (and every embedding batch) is routed with ``wait`` and its answer relayed as
-it arrives (`relay`). Ollama's model management (``/api/show``, ``/api/pull``, preloads, an
-embedding request with nothing to embed) and the model listings are answered from
-``coordinator.workers`` alone: no task. The bodies, shapes and statuses are pure functions in
-the API modules (`ollama_api`, `ollama_answers`, `openai_api`, `openai_answers`, `task_api`,
-`fleet`, `common`); reading bodies and writing errors is `responses`, the bus is `bus`.
+it arrives (`relay`). Ollama's ``/api/show``, preloads, an embedding request with nothing to
+embed, a pull by a key that is not an operator's, and the model listings are answered from
+``coordinator.workers`` alone: no task. The operator's pulls, creates, copies and removals are
+a ``model_change`` task per machine (`model_changes`). The bodies, shapes and statuses are
+pure functions in the API modules (`ollama_api`, `ollama_answers`, `openai_api`,
+`openai_answers`, `task_api`, `model_change_api`, `fleet`, `common`); reading bodies and
+writing errors is `responses`, the bus is `bus`.
 
 Every request ends in one ``request`` log line (path, model, status, code, and the task when
 there was one), refusals before routing included.
@@ -23,6 +25,7 @@ the body by ``GATEWAY_BODY_TIMEOUT_S`` (408), an idle connection by aiohttp's ke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Final
@@ -36,15 +39,16 @@ from schemas.queries import TaskQuery
 from schemas.route import RouteRequest
 from schemas.subjects import ROUTE, TASK
 from services import __version__
-from services.errors import ConfigError, WaitTimeout
+from services.errors import ConfigError, Forbidden, WaitTimeout
 from services.gateway import (
     anthropic_api,
     fleet,
+    model_change_api,
     ollama_api,
     openai_api,
     openai_responses_api,
 )
-from services.gateway.access import Access, client_of
+from services.gateway.access import Access, acts_as_operator, client_of
 from services.gateway.anthropic_answers import AnthropicShape
 from services.gateway.bus import QUERY_TIMEOUT_S, FleetBus
 from services.gateway.common import OLLAMA_API_VERSION, ApiError, Ask, Instant, Shape, model_named
@@ -53,6 +57,7 @@ from services.gateway.dashboard import Dashboard
 from services.gateway.feed import Feed
 from services.gateway.fleet import Served
 from services.gateway.keys import always_keyed, is_loopback, open_refusal
+from services.gateway.model_changes import ModelChanges
 from services.gateway.ollama_answers import OllamaEmbedShape, OllamaShape, ollama_pull
 from services.gateway.openai_answers import OpenAIEmbedShape, OpenAIShape
 from services.gateway.openai_responses_answers import ResponsesShape
@@ -84,6 +89,7 @@ class Gateway:
         self.bus = FleetBus(nc)
         self.replies = self.bus.replies
         self.relay = Relay(nc, self.bus, self.tasks, settings)
+        self.changes = ModelChanges(nc, self.bus, self.tasks, settings)
         self.access = Access(
             always=always_keyed(settings.gateway_host, allow_open=settings.gateway_allow_open),
             retry_after_s=settings.gateway_retry_after_s,
@@ -115,6 +121,9 @@ class Gateway:
         routes.add_post("/api/embeddings", self.api_embeddings)
         routes.add_post("/api/show", self.api_show)
         routes.add_post("/api/pull", self.api_pull)
+        routes.add_post("/api/create", self.api_create)
+        routes.add_post("/api/copy", self.api_copy)
+        routes.add_delete("/api/delete", self.api_delete)
         routes.add_get("/v1/models", self.v1_models)
         routes.add_get("/v1/models/{model:.+}", self.v1_model)
         routes.add_post("/v1/chat/completions", self.v1_chat)
@@ -182,21 +191,70 @@ class Gateway:
             return self._refused(request, shape, exc, model_named(body))
         return web.Response(body=fleet.ollama_show(asked.model, served), content_type=JSON)
 
-    async def api_pull(self, request: web.Request) -> web.Response:
-        """``POST /api/pull``: the gateway cannot pull; a model the fleet serves is a success
-        at once, any other a 404 that says so."""
+    async def api_pull(self, request: web.Request) -> web.StreamResponse:
+        """``POST /api/pull``: for the operator, a pull onto the machines (`_change`); for
+        another key, nothing to do for a model the fleet serves (success at once), a 403
+        for any other."""
+        if acts_as_operator(request):
+            return await self._change(request, model_change_api.pull_request)
         shape = OllamaShape(model="", chat=False)
         body = b""
         try:
             body = await self._read(request)
             asked = ollama_api.ollama_model_request(body, "pull")
-            await self._serving(asked.model, pull=True)
+            try:
+                await self._serving(asked.model)
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                raise ApiError(
+                    403, Forbidden.code, f"{exc.message}; only an operator's key may pull models"
+                ) from None
         except ApiError as exc:
             return self._refused(request, shape, exc, model_named(body))
         return web.Response(
             body=ollama_pull(stream=asked.stream),
             content_type=NDJSON if asked.stream else JSON,
         )
+
+    async def api_create(self, request: web.Request) -> web.StreamResponse:
+        return await self._change(request, model_change_api.create_request)
+
+    async def api_copy(self, request: web.Request) -> web.StreamResponse:
+        return await self._change(request, model_change_api.copy_request)
+
+    async def api_delete(self, request: web.Request) -> web.StreamResponse:
+        return await self._change(request, model_change_api.delete_request)
+
+    async def _change(
+        self, request: web.Request, parse: Callable[[bytes], model_change_api.Asked]
+    ) -> web.StreamResponse:
+        """A change to the machines' models (`model_changes`): the operator's only; on the
+        machines ``X-Coordinator-Machines`` names, else those `machines_for` chooses."""
+        shape = OllamaShape(model="", chat=False)
+        body = b""
+        try:
+            if not acts_as_operator(request):
+                raise ApiError(
+                    403, Forbidden.code, "only an operator's key may change the machines' models"
+                )
+            body = await self._read(request)
+            asked = parse(body)
+            named = model_change_api.named_machines(
+                request.headers.get(model_change_api.MACHINES_HEADER)
+            )
+            known = await self.bus.fleet()
+            model, machines = model_change_api.machines_for(
+                asked, named, known.workers, known.aliases
+            )
+            if asked.change.op == "pull":
+                size = model_change_api.known_size(model, known.workers)
+                asked = dataclasses.replace(
+                    asked, change=msgspec.structs.replace(asked.change, size=size)
+                )
+        except ApiError as exc:
+            return self._refused(request, shape, exc, model_named(body))
+        return await self.changes.answer(request, asked, model, machines, client_of(request))
 
     async def _instant(self, request: web.Request, instant: Instant) -> web.Response:
         """A preload (or unload), or an embedding request with nothing to embed, of a served
@@ -336,13 +394,11 @@ class Gateway:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    async def _serving(self, model: str, *, pull: bool = False) -> Served:
+    async def _serving(self, model: str) -> Served:
         """The model ``model`` names and the live workers serving it: a bare name is its
         ``:latest``, an alias followed, as the router resolves them."""
         known = await self.bus.fleet()
-        return fleet.serving(
-            model, known.workers, known.aliases, pull=pull, settling=known.settling
-        )
+        return fleet.serving(model, known.workers, known.aliases, settling=known.settling)
 
     async def _read(self, request: web.Request) -> bytes:
         """The body, within the size limit and ``GATEWAY_BODY_TIMEOUT_S`` (else 408: a body

@@ -174,10 +174,6 @@ def test_the_model_served_or_why_none_is() -> None:
     with pytest.raises(ApiError) as web_only:
         fleet.serving("s", workers)  # web-search workers take no inference tasks
     assert web_only.value.status == 404
-    with pytest.raises(ApiError) as pulled:
-        fleet.serving("nope", workers, pull=True)
-    assert pulled.value.status == 404
-    assert "cannot pull" in pulled.value.message and "/api/tags" in pulled.value.message
     with pytest.raises(ApiError) as empty:
         fleet.serving("m1", [worker("web-1", ["s"], tier="web")])
     assert (empty.value.status, empty.value.code) == (503, "no_worker")

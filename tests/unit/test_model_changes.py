@@ -19,6 +19,8 @@ from services.cli.model_changes import known_size, machines_for, progress_text
 from services.cli.modelfile import parse_modelfile
 from services.errors import BackendError, BadRequest, WorkerUnavailable
 from services.fleet.identity import may_change_models
+from services.gateway import model_change_api as gateway_changes
+from services.gateway.common import ApiError
 from services.router.decide import decide
 from services.router.requests import parse_route_request
 from services.router.view import FleetView
@@ -153,7 +155,7 @@ def test_only_the_operator_may_change_models_where_identities_prove_who_asks() -
     assert may_change_models("operator-ann") and may_change_models("admin")
     assert may_change_models(None)  # a bus without identities: nothing proves who asks
     assert not may_change_models("client-bob")
-    assert not may_change_models("gateway")
+    assert may_change_models("gateway")  # it passes on its operator keys' only
     assert not may_change_models("worker-moon")
 
 
@@ -283,3 +285,81 @@ def test_a_changes_time_counts_in_no_figure() -> None:
         ),
     )
     assert outcome_of(plain, done) is not None
+
+
+# --------------------------------------------------------------------------- the gateway
+
+
+def test_the_gateway_reads_ollamas_change_bodies() -> None:
+    pulled = gateway_changes.pull_request(b'{"name": "qwen3:8b", "insecure": true, "model": ""}')
+    assert (pulled.model, pulled.change, pulled.stream) == (
+        "qwen3:8b",
+        ModelChange(op="pull", insecure=True),
+        True,
+    )
+    made = gateway_changes.create_request(
+        b'{"model": "jp", "from": "qwen3:8b", "system": "x", "stream": false}'
+    )
+    assert made.change == ModelChange(op="create", source="qwen3:8b", system="x")
+    assert not made.stream
+    copied = gateway_changes.copy_request(b'{"source": "jp", "destination": "jp2"}')
+    assert (copied.model, copied.change.source) == ("jp2", "jp")
+    assert gateway_changes.delete_request(b'{"model": "jp2"}').change.op == "delete"
+    with pytest.raises(ApiError, match='source "" is invalid'):
+        gateway_changes.copy_request(b'{"destination": "jp2"}')
+
+
+def test_the_gateway_chooses_the_machines_a_change_makes_sense_on() -> None:
+    fleet = [
+        view("moon", "qwen3:8b", tier="gpu"),
+        view("mac", "gemma3:4b", tier="gpu"),
+        view("box", "qwen3:8b", tier="cpu"),
+        view("pi", tier="cpu"),
+        view("web-1", tier="web"),
+    ]
+    pull = gateway_changes.Asked("qwen3:8b", ModelChange(op="pull"))
+    # Every machine of the tiers that serve it: both here.
+    assert gateway_changes.machines_for(pull, None, fleet, {}) == (
+        "qwen3:8b",
+        ["box", "mac", "moon", "pi"],
+    )
+    gemma = gateway_changes.Asked("house", ModelChange(op="pull"))
+    assert gateway_changes.machines_for(gemma, None, fleet, {"house": "gemma3:4b"}) == (
+        "gemma3:4b",
+        ["mac", "moon"],
+    )
+    removal = gateway_changes.Asked("qwen3:8b", ModelChange(op="delete"))
+    assert gateway_changes.machines_for(removal, None, fleet, {})[1] == ["box", "moon"]
+    named = gateway_changes.named_machines(" pi, moon ,pi")
+    assert gateway_changes.machines_for(removal, named, fleet, {})[1] == ["pi", "moon"]
+    with pytest.raises(ApiError, match="X-Coordinator-Machines") as nowhere:
+        gateway_changes.machines_for(
+            gateway_changes.Asked("nope:1b", ModelChange(op="pull")), None, fleet, {}
+        )
+    assert nowhere.value.status == 404
+    with pytest.raises(ApiError, match="names no worker"):
+        gateway_changes.named_machines(" , ")
+
+
+def test_several_machines_progress_is_one_bar_per_layer_and_success_once() -> None:
+    merged = gateway_changes.MergedProgress()
+    manifest = ModelProgress(status="pulling manifest")
+    assert merged.add("moon", manifest) == {"status": "pulling manifest"}
+    assert merged.add("sun", manifest) is None
+    layer = "sha256:abc"
+
+    def step(done: int) -> ModelProgress:
+        return ModelProgress(status="pulling abc", digest=layer, total=100, completed=done)
+
+    assert merged.add("moon", step(0)) == {"status": "pulling abc", "digest": layer, "total": 100}
+    assert merged.add("sun", step(40)) == {
+        "status": "pulling abc",
+        "digest": layer,
+        "total": 200,
+        "completed": 40,
+    }
+    latest = merged.add("moon", step(100))
+    assert latest is not None and latest["completed"] == 140
+    assert merged.add("moon", ModelProgress(status="success")) is None
+    failures = {"sun": ApiError(502, "backend_error", "no space left on device")}
+    assert gateway_changes.failed_line(failures) == {"error": "sun: no space left on device"}
