@@ -22,6 +22,7 @@ from schemas.models import COMPLETION, facts_in
 from schemas.subjects import STATS, TASK, WORKERS
 from services import __version__
 from services.cli import (
+    advise,
     deploy,
     doctor,
     identities,
@@ -142,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mods.add_argument("--json", action="store_true")
     mods.set_defaults(func=cmd_models)
+    models_sub = mods.add_subparsers(dest="models_command", metavar="ACTION")
+    advice = models_sub.add_parser(
+        "advise",
+        help="where models should live: placements proposed from the demand; changes nothing",
+    )
+    advise.add_arguments(advice)
+    advice.set_defaults(func=advise.cmd_advise)
 
     sch = sub.add_parser("schemas", help="wire types")
     sch_sub = sch.add_subparsers(dest="schemas_command", required=True, metavar="ACTION")
