@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from schemas.models import needs_of
 from schemas.route import RouteRequest
 from schemas.work import Work
-from schemas.workers import WorkerRecord
+from schemas.workers import INFERENCE_CAPABILITIES, WorkerRecord
 from services.errors import BadRequest, NoWorker, UnsupportedCapability, WorkerUnavailable
 from services.fleet import policy
 from services.fleet.domains import classify_domain
@@ -76,14 +76,16 @@ def decide(
 def _machine_of(
     request: RouteRequest, live: Collection[WorkerRecord], sleepers: Collection[WorkerRecord]
 ) -> Plan:
-    """A change to one machine's models goes to that machine's worker, whatever it serves
-    (a pull brings a model it does not have): live, or asleep and woken for it."""
-    for record in live:
-        if record.worker_id == request.worker:
-            return Plan(policy.decision_for(record, "a change to its models"))
-    for record in sleepers:
-        if record.worker_id == request.worker:
-            return Plan(policy.decision_for(record, "woken for a change to its models"), record)
+    """A change to one machine's models goes to that machine's inference worker, whatever it
+    serves (a pull brings a model it does not have): live, or asleep and woken for it."""
+    for group, reason in ((live, "a change to its models"), (sleepers, "woken for a change")):
+        for record in group:
+            if record.worker_id != request.worker:
+                continue
+            if not INFERENCE_CAPABILITIES.intersection(record.supports):
+                raise WorkerUnavailable(f"worker '{record.worker_id}' runs no models to change")
+            plan = policy.decision_for(record, reason)
+            return Plan(plan) if group is live else Plan(plan, record)
     raise WorkerUnavailable(f"worker '{request.worker}' is not registered and alive")
 
 

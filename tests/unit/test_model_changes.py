@@ -15,6 +15,7 @@ from schemas.route import ModelProgress
 from schemas.work import ChatMessage, ModelChange, Work
 from schemas.workers import WorkerRecord
 from services.backends.ollama_models import change_request, progress_line, succeeded
+from services.backends.openai import OpenAIBackend
 from services.cli.model_changes import known_size, machines_for, progress_text
 from services.cli.modelfile import parse_modelfile
 from services.errors import BackendError, BadRequest, WorkerUnavailable
@@ -149,6 +150,24 @@ def test_a_change_goes_to_its_machine_whatever_it_serves_and_a_sleeping_one_is_w
     assert woken.waking == asleep and woken.decision.worker_id == "moon"
     with pytest.raises(WorkerUnavailable, match="'moon' is not registered"):
         decide(request, live[1:], [], FleetView(), gpu_models=())
+    web = msgspec.structs.replace(record("moon"), supports=["web_search"])
+    with pytest.raises(WorkerUnavailable, match="runs no models to change"):
+        decide(request, [web], [], FleetView(), gpu_models=())
+
+
+async def test_an_openai_compatible_server_says_it_cannot_change_its_models() -> None:
+    backend = OpenAIBackend("http://127.0.0.1:9/v1")
+    try:
+        with pytest.raises(BackendError, match="has no API to change its models"):
+            await backend.change_model(
+                "qwen3:8b", ModelChange(op="pull"), timeout_s=1.0, on_progress=_ignored
+            )
+    finally:
+        await backend.aclose()
+
+
+async def _ignored(step: ModelProgress) -> None:
+    del step
 
 
 def test_only_the_operator_may_change_models_where_identities_prove_who_asks() -> None:
