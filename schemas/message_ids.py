@@ -42,6 +42,13 @@ def failed_before_routing(task_id: str, by: str) -> str:
     return f"{task_id}:failed:{by}"
 
 
+def refused(task_id: str) -> str:
+    """A router's refusal of a request that named its task (`services.router.submit.
+    record_refusal`): another router's refusal of the same request, asked again, is not
+    stored a second time."""
+    return f"{task_id}:refused"
+
+
 def registered(instance_id: str) -> str:
     """A worker process's ``registered`` event (asked again while JetStream is silent)."""
     return f"registered.{instance_id}"

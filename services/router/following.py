@@ -148,6 +148,9 @@ class Follower:
             # Registered first: an end stored from now on reaches the waiter, one stored
             # before is in the stream.
             outcome = await self._ended(task_id, waiter, leader)
+            if isinstance(outcome, TaskFailed) and is_refusal(outcome) and routing is None:
+                # Refused before a router stored its routing: answered as that refusal.
+                raise from_code(outcome.code, outcome.reason)
             if outcome is None:
                 if not (request.wait or request.stream):
                     return RouteReply(

@@ -16,9 +16,12 @@ and that task may be queued and run; a routing that was never stored is found by
 A request that names its task and that a router refuses after checking that no router holds
 it and the log has none of it (`record_refusal`) may still be in another router's hands: one
 whose connection was moving to another server when asked, whose writes then go through. So
-the refusal is stored first, only while the log holds nothing of the task, and a task's
-``submitted`` and first ``routed`` only while it holds no refusal: one of the two wins, and
-the client is told what the log says (one id, one answer)."""
+the refusal is stored only while the task has no ``routed``, and its first ``routed`` only
+while it has no refusal: one of the two wins, and the client is told what the log says (one
+id, one answer; a ``submitted`` stored beside a refusal runs nothing). Each fence names the
+other's literal subject: on a replicated stream the leader checks a fence against the writes
+it is still proposing on that very subject, and no others (a wildcard fence would miss
+them)."""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from nats.js.api import PubAck
 
 from schemas import message_ids
 from schemas.events import TaskRouted, encoder, task_event_decoder
-from schemas.subjects import task_event, task_events
+from schemas.subjects import task_event
 from services.errors import CoordinatorError, Unavailable
 from services.fleet.dispatch import routed_event, task_message
 from services.fleet.policy import Decision
@@ -110,14 +113,10 @@ async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int
     first = routed_event(
         event, 1, decision, reason=decision.reason, domain=task.plan.domain, at=time.time()
     )
-    # Stored only while no router has recorded a refusal of this task (`record_refusal`).
+    # The routing only while no router has recorded a refusal of this task (`record_refusal`).
     unrefused = (task_event(task_id, "failed"), 0) if fences else None
     submitted, routed = await asyncio.gather(
-        through_outage(
-            lambda: publish_event(
-                js, event, msg_id=message_ids.submitted(task_id), expect_last=unrefused
-            )
-        ),
+        through_outage(lambda: publish_event(js, event, msg_id=message_ids.submitted(task_id))),
         through_outage(
             lambda: publish_event(
                 js, first, msg_id=message_ids.routed(task_id, 1), expect_last=unrefused
@@ -125,7 +124,7 @@ async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int
         ),
         return_exceptions=True,
     )
-    if any(is_wrong_last_sequence(r) for r in (submitted, routed) if isinstance(r, BaseException)):
+    if isinstance(routed, BaseException) and is_wrong_last_sequence(routed):
         # A router refused the request, asked again, first: the refusal stands.
         raise AlreadySubmitted(task_id)
     if isinstance(routed, BaseException):
@@ -157,17 +156,18 @@ async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int
 
 
 async def record_refusal(js: JetStreamContext, task_id: str, refused: CoordinatorError) -> bool:
-    """Store the refusal of a request that named its task, only while the log holds nothing
-    of the task (needs `services.runtime.bus.fences_by_subject`); the fence also keeps it
-    single. False when the log holds something: the task, stored by a router meanwhile, or
-    another router's refusal; the request follows it (`services.router.following`). True
-    when the refusal is stored, and when the log could not be asked: the request is refused
-    then as it was before refusals were stored."""
+    """Store the refusal of a request that named its task, only while the task has no
+    ``routed`` (needs `services.runtime.bus.fences_by_subject`), and once: a refusal already
+    stored refuses it too. False when it was refused: the task was routed by a router
+    meanwhile, or another router refused it first; the request follows that
+    (`services.router.following`). True when the refusal is stored, and when the log could
+    not be asked: the request is refused then as it was before refusals were stored."""
     try:
         await publish_event(
             js,
             refusal_event(task_id, refused, time.time()),
-            expect_last=(task_events(task_id), 0),
+            msg_id=message_ids.refused(task_id),
+            expect_last=(task_event(task_id, "routed"), 0),
         )
     except Exception as exc:
         if is_wrong_last_sequence(exc):

@@ -69,8 +69,10 @@ T = TypeVar("T")
 # force from the server (`Client.max_payload`) and refuse what exceeds it with `too_large`.
 MAX_PAYLOAD: Final = "8MB"
 DUPLICATE_WINDOW_S = 120.0
-# JetStream's error code for a publish whose expected last sequence is not the stream's.
-WRONG_LAST_SEQUENCE = 10071
+# JetStream's error codes for a publish whose expected last sequence is not the stream's:
+# found in the stream (10071, "wrong last sequence: N"), or, on a replicated stream, another
+# write on the fenced subject still being proposed (10164, "wrong last sequence").
+WRONG_LAST_SEQUENCE: Final = frozenset({10071, 10164})
 
 
 # A service waiting for NATS tries again after 0.5 s, then 1 s, then every 2 s.
@@ -535,8 +537,9 @@ def fences_by_subject(nc: Client) -> bool:
 
 
 def is_wrong_last_sequence(exc: BaseException) -> bool:
-    """Was a publish refused because its expected last sequence was not the stream's?"""
-    return isinstance(exc, APIError) and exc.err_code == WRONG_LAST_SEQUENCE
+    """Was a publish refused because its expected last sequence was not the stream's (or, on
+    a replicated stream, because another write on the fenced subject was being proposed)?"""
+    return isinstance(exc, APIError) and exc.err_code in WRONG_LAST_SEQUENCE
 
 
 _LAST_SEQUENCE_SAID: Final = re.compile(r"wrong last sequence: (\d+)")

@@ -44,7 +44,7 @@ from services.errors import (
     Unavailable,
 )
 from services.fleet.domains import classify_domain
-from services.runtime.bus import publish_event
+from services.runtime.bus import is_wrong_last_sequence, publish_event
 from services.runtime.outcomes import last_on
 from services.runtime.settings import Settings
 from services.stats.projection import TaskState
@@ -58,7 +58,6 @@ MAX_TEXT_CHARS: Final = 2000
 # Verdicts per run at most: a run is a cron job's worth, and the limit goes into a query.
 MAX_BATCH_LIMIT: Final = 10_000
 # The stream refuses a publish whose expected last subject sequence does not match.
-_WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 
 
 class JudgeSettings(Settings, frozen=True, kw_only=True):
@@ -259,7 +258,7 @@ class Judge:
                 headers={"Nats-Expected-Last-Subject-Sequence": "0"},
             )
         except nats.js.errors.APIError as exc:
-            if exc.err_code in _WRONG_LAST_SEQUENCE:
+            if is_wrong_last_sequence(exc):
                 return False
             raise Unavailable(f"could not record the verdict: {exc}") from exc
         except Exception as exc:

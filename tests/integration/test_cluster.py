@@ -12,7 +12,7 @@ import json
 import signal
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ from services.cli.permissions import (
     password_variable,
 )
 from services.cli.replication import FLEET_BUCKETS, FLEET_STREAMS
+from services.errors import NoWorker
+from services.router.submit import AlreadySubmitted, record_refusal, submit
 from services.runtime.bus import connect
 from services.runtime.settings import NatsAuth
 from tests.harness import (
@@ -49,6 +51,8 @@ from tests.harness import (
     run_cli,
     workers_live,
 )
+from tests.integration.test_follow import count_events
+from tests.integration.test_submit import task
 
 WORKER = EXAMPLE_WORKERS[0]
 USERS = [
@@ -426,3 +430,45 @@ async def test_a_cluster_url_is_one_comma_separated_list(cluster: NatsCluster) -
         assert advertised == {f"127.0.0.1:{node.port}" for node in cluster.nodes}
     finally:
         await nc.close()
+
+
+async def test_a_refusal_and_the_routing_of_one_task_exclude_each_other_when_replicated(
+    cluster: NatsCluster,
+) -> None:
+    """A router storing a task while another stores its refusal, at once, on a stream with
+    three replicas: the stream's leader checks each fence against the writes it is still
+    proposing on that subject, so exactly one of the two is stored, every time."""
+    await setup_streams(
+        cluster.url, worker_ttl_s=3.0, events_max_age_s=0.0, auth=auth("operator"), replicas=3
+    )
+    nc = await connect(cluster.url, "test-router", auth=auth("router"))
+    js = nc.jetstream(timeout=10.0)
+    refused = NoWorker("no worker is registered and alive")
+
+    async def routed(task_id: str) -> bool:
+        try:
+            await submit(js, task(task_id), fences=True)
+        except AlreadySubmitted:
+            return False
+        return True
+
+    try:
+        for i in range(100):
+            task_id = f"t-both-{i}"
+            # The refusal sent a little later each time: from before the routing's write
+            # reaches the leader to after it is stored, through the span it is proposed.
+            later = asyncio.sleep(0.0005 * (i % 20))
+            stored, refusal = await asyncio.gather(
+                routed(task_id), _after(later, record_refusal(js, task_id, refused))
+            )
+            routings = await count_events(nc, task_id, "routed")
+            refusals = await count_events(nc, task_id, "failed")
+            assert (routings, refusals) in ((1, 0), (0, 1)), (task_id, routings, refusals)
+            assert (stored, refusal) == (routings == 1, refusals == 1), task_id
+    finally:
+        await nc.close()
+
+
+async def _after(first: Awaitable[None], then: Awaitable[bool]) -> bool:
+    await first
+    return await then

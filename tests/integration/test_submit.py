@@ -196,12 +196,11 @@ async def test_a_task_a_router_refused_first_is_not_stored_after_the_refusal(nc:
     )
     assert isinstance(refusal, TaskFailed)
     assert (refusal.attempt, refusal.code) == (0, "no_worker")
-    assert await count_events(nc, "t-refused", "submitted") == 0
-    assert await count_events(nc, "t-refused", "routed") == 0
+    assert await count_events(nc, "t-refused", "routed") == 0  # a submitted runs nothing
     with pytest.raises(NotFoundError):
         await js.get_last_msg("TASKS", QUEUE)
-    # A second router refusing the request asked again follows the one refusal stored.
-    assert not await record_refusal(js, "t-refused", NoWorker("no worker is registered and alive"))
+    # A second router refusing the request asked again: the one refusal, stored once.
+    assert await record_refusal(js, "t-refused", NoWorker("no worker is registered and alive"))
     assert await count_events(nc, "t-refused", "failed") == 1
 
 
@@ -215,11 +214,11 @@ async def test_a_refusal_is_not_stored_once_the_task_is(nc: Client) -> None:
     assert (await js.get_last_msg("TASKS", QUEUE)).data
 
 
-async def test_a_refusal_asked_between_the_tasks_two_writes_is_not_stored(
+async def test_a_refusal_stored_between_the_tasks_two_writes_wins(
     nc: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``submitted`` stored, ``routed`` not yet: the refusal finds the task, and the task is
-    queued."""
+    """``submitted`` stored, ``routed`` not yet: the refusal is stored (a ``submitted`` runs
+    nothing), and the routing refused: nothing is queued."""
     js = nc.jetstream()
     await ensure_streams(js, worker_ttl_s=3.0)
     publish = js.publish
@@ -239,9 +238,11 @@ async def test_a_refusal_asked_between_the_tasks_two_writes_is_not_stored(
 
     monkeypatch.setattr(js, "publish", refusal_between)
 
-    await submit(js, task("t-between"), fences=True)
+    with pytest.raises(AlreadySubmitted):
+        await submit(js, task("t-between"), fences=True)
 
-    assert refused == [False]
-    assert await count_events(nc, "t-between", "failed") == 0
-    assert await count_events(nc, "t-between", "routed") == 1
-    assert (await js.get_last_msg("TASKS", QUEUE)).data
+    assert refused == [True]
+    assert await count_events(nc, "t-between", "failed") == 1
+    assert await count_events(nc, "t-between", "routed") == 0
+    with pytest.raises(NotFoundError):
+        await js.get_last_msg("TASKS", QUEUE)
