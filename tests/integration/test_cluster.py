@@ -399,11 +399,16 @@ async def test_the_doctor_names_a_stopped_node_and_the_replicas_it_held(
     cluster.nodes[stopped].stop()
 
     async def names_it() -> subprocess.CompletedProcess[str] | None:
+        """Once the meta leader is back and every stream whose leader the node held has
+        elected another (until then the doctor says that stream does not answer)."""
         result = await asyncio.to_thread(doctor, env)
         lines = doctor_lines(result)
-        if f"{name} is offline" in lines.get("cluster peers", "") and lines.get(
-            "meta leader", ""
-        ).startswith("ok"):
+        replicas = lines.get("stream replicas", "")
+        if (
+            f"{name} is offline" in lines.get("cluster peers", "")
+            and lines.get("meta leader", "").startswith("ok")
+            and all(f"{stream}: replica on {name} is" in replicas for stream in FLEET_STREAMS)
+        ):
             return result
         return None
 
