@@ -155,6 +155,7 @@ async def test_a_dead_workers_task_fails_naming_the_model_when_no_other_worker_s
         lone.silence()  # it dies before taking the task
 
         reply = await asyncio.wait_for(asked, timeout=15)
+        await events.ended(routed.task_id, "failed")  # the reply may come before the feed has it
 
     assert reply["status"] == "failed"
     assert reply["error"] == "no_alternative_worker: " + SPOF.format(
