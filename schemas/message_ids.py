@@ -49,6 +49,11 @@ def refused(task_id: str) -> str:
     return f"{task_id}:refused"
 
 
+def model_changed(task_id: str, attempt: int) -> str:
+    """The ``model_changed`` event a worker records after a change to its models."""
+    return f"{task_id}:{attempt}:model_changed"
+
+
 def registered(instance_id: str) -> str:
     """A worker process's ``registered`` event (asked again while JetStream is silent)."""
     return f"registered.{instance_id}"

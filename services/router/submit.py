@@ -157,11 +157,13 @@ async def submit(js: JetStreamContext, task: Submission, *, fences: bool) -> int
 
 async def record_refusal(js: JetStreamContext, task_id: str, refused: CoordinatorError) -> bool:
     """Store the refusal of a request that named its task, only while the task has no
-    ``routed`` (needs `services.runtime.bus.fences_by_subject`), and once: a refusal already
-    stored refuses it too. False when it was refused: the task was routed by a router
-    meanwhile, or another router refused it first; the request follows that
-    (`services.router.following`). True when the refusal is stored, and when the log could
-    not be asked: the request is refused then as it was before refusals were stored."""
+    ``routed`` (needs `services.runtime.bus.fences_by_subject`), once (its message id:
+    another router's refusal of the request asked again is the same one). False when the
+    fence refused it: a router routed the task meanwhile (or, on a replicated stream, is
+    storing its routing or another refusal of it this instant); the request follows what the
+    log holds (`services.router.following`). True when the refusal is stored, and when the
+    log could not be asked: the request is refused then as it was before refusals were
+    stored."""
     try:
         await publish_event(
             js,

@@ -21,6 +21,7 @@ import structlog
 from nats.aio.client import Client
 from opentelemetry import trace
 
+from schemas import message_ids
 from schemas.events import Durations, ModelChanged, TaskCompleted, TaskFailed
 from schemas.models import COMPLETION, EMBEDDING, ModelFacts, missing, name_variants, needs_of
 from schemas.route import ModelProgress, ToolCall
@@ -349,7 +350,12 @@ class Inference:
             source=change.source,
             digest=digest,
         )
-        await publish_event(self.js, changed)
+        try:
+            await publish_event(
+                self.js, changed, msg_id=message_ids.model_changed(task.task_id, task.attempt)
+            )
+        except Exception as exc:  # made, and said in the outcome: never undone or run again
+            attempt.log.warning("the model change was not recorded", error=repr(exc))
         attempt.log.info("models changed", op=change.op, model=name, digest=digest)
         done = "removed" if change.op == "delete" else f"{change.op} done, digest {digest or '?'}"
         return TaskCompleted(
