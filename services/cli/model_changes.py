@@ -17,7 +17,6 @@ from typing import Final
 import msgspec
 from nats.aio.client import Client
 
-from schemas.models import facts_in, name_variants
 from schemas.queries import WorkersReply, WorkerView
 from schemas.route import ModelProgress, RouteReply, RouteRequest
 from schemas.subjects import ROUTE, WORKERS
@@ -25,6 +24,7 @@ from schemas.work import ModelChange
 from services.cli.client import open_client, say_asking_again
 from services.cli.modelfile import parse_modelfile
 from services.errors import BadRequest, CoordinatorError
+from services.fleet.model_matrix import holds, known_size
 from services.runtime.logging import setup_logging
 from services.runtime.request import (
     REASK_AFTER_S,
@@ -90,10 +90,6 @@ def change_of(args: argparse.Namespace) -> ModelChange:
             return ModelChange(op="delete")
 
 
-def _has(worker: WorkerView, model: str) -> bool:
-    return any(name in worker.models for name in name_variants(model))
-
-
 def machines_for(
     change: ModelChange, model: str, workers: Sequence[WorkerView], on: Sequence[str] | None
 ) -> list[str]:
@@ -105,19 +101,10 @@ def machines_for(
         return list(dict.fromkeys(on))
     known = {w.worker_id: w for w in workers if w.tier != "web"}
     wanted = model if change.op in ("pull", "delete") else change.source or model
-    chosen = [w.worker_id for w in known.values() if _has(w, wanted) != (change.op == "pull")]
+    chosen = [w.worker_id for w in known.values() if holds(w, wanted) != (change.op == "pull")]
     if not chosen:
         raise BadRequest(f"no registered machine to {change.op} {model} on")
     return sorted(chosen)
-
-
-def known_size(model: str, workers: Sequence[WorkerView]) -> int | None:
-    """The bytes ``model`` takes where the fleet has it already (None: nowhere)."""
-    for worker in workers:
-        for name in name_variants(model):
-            if name in worker.models and (size := facts_in(worker.facts, name).size):
-                return size
-    return None
 
 
 def progress_text(step: ModelProgress) -> str:

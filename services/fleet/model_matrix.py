@@ -2,7 +2,8 @@
 has which model, its copy there (size, quantisation, digest), whether its backend holds it
 in memory now, when it last ran a task there and how fast, and the models whose copies differ
 by digest under one name. Built from the router's workers reply and the stats service's
-figures. Pure: no I/O.
+figures; and who holds a model, and its size there, for a change to the machines' models
+(`holds`, `known_size`). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from schemas.models import facts_in
+from schemas.models import facts_in, name_variants
 from schemas.queries import WorkerView
 from schemas.stats import FigureView
 
@@ -102,3 +103,18 @@ def matrix(workers: Sequence[WorkerView], figures: Sequence[FigureView] | None =
 def encode(found: Matrix) -> bytes:
     """``found`` as ``coordinator models --json`` prints it."""
     return msgspec.json.encode(found)
+
+
+def holds(worker: WorkerView, model: str) -> bool:
+    """Does ``worker`` list ``model`` (under any name it may be listed by: ``jp`` is
+    ``jp:latest``)?"""
+    return any(name in worker.models for name in name_variants(model))
+
+
+def known_size(model: str, workers: Sequence[WorkerView]) -> int | None:
+    """The bytes ``model`` takes where the fleet has it already (None: nowhere)."""
+    for worker in workers:
+        for name in name_variants(model):
+            if name in worker.models and (size := facts_in(worker.facts, name).size):
+                return size
+    return None

@@ -18,11 +18,11 @@ from typing import Any, Final
 
 import msgspec
 
-from schemas.models import name_variants
 from schemas.queries import WorkerView
 from schemas.route import ModelProgress
 from schemas.work import ChatMessage, ModelChange
 from services.errors import BadRequest, NoWorker
+from services.fleet.model_matrix import holds
 from services.gateway.common import ApiError, decode, require_model
 from services.gateway.fleet import resolve, served_models
 
@@ -133,10 +133,6 @@ def named_machines(header: str | None) -> list[str] | None:
     return named
 
 
-def _has(worker: WorkerView, model: str) -> bool:
-    return any(name in worker.models for name in name_variants(model))
-
-
 def machines_for(
     asked: Asked,
     named: list[str] | None,
@@ -154,11 +150,11 @@ def machines_for(
     if named is not None:
         return model, named
     if op == "pull":
-        tiers = {w.tier for w in inference if _has(w, model)}
+        tiers = {w.tier for w in inference if holds(w, model)}
         chosen = [w.worker_id for w in inference if w.tier in tiers]
     else:
         wanted = model if op == "delete" else asked.change.source or model
-        chosen = [w.worker_id for w in inference if _has(w, wanted)]
+        chosen = [w.worker_id for w in inference if holds(w, wanted)]
     if not chosen:
         where = model if op in ("pull", "delete") else asked.change.source
         raise ApiError(
@@ -169,15 +165,6 @@ def machines_for(
             "comma-separated)",
         )
     return model, sorted(chosen)
-
-
-def known_size(model: str, workers: Sequence[WorkerView]) -> int | None:
-    """The bytes ``model`` takes where the fleet has it already (None: nowhere)."""
-    for worker in workers:
-        for facts in worker.facts:
-            if facts.name in name_variants(model) and facts.size:
-                return facts.size
-    return None
 
 
 @dataclass

@@ -40,6 +40,7 @@ from schemas.route import RouteRequest
 from schemas.subjects import ROUTE, TASK
 from services import __version__
 from services.errors import ConfigError, Forbidden, WaitTimeout
+from services.fleet.model_matrix import known_size
 from services.gateway import (
     anthropic_api,
     fleet,
@@ -248,7 +249,7 @@ class Gateway:
                 asked, named, known.workers, known.aliases
             )
             if asked.change.op == "pull":
-                size = model_change_api.known_size(model, known.workers)
+                size = known_size(model, known.workers)
                 asked = dataclasses.replace(
                     asked, change=msgspec.structs.replace(asked.change, size=size)
                 )

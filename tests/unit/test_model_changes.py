@@ -16,10 +16,11 @@ from schemas.work import ChatMessage, ModelChange, Work
 from schemas.workers import WorkerRecord
 from services.backends.ollama_models import change_request, progress_line, succeeded
 from services.backends.openai import OpenAIBackend
-from services.cli.model_changes import known_size, machines_for, progress_text
+from services.cli.model_changes import machines_for, progress_text
 from services.cli.modelfile import parse_modelfile
 from services.errors import BackendError, BadRequest, WorkerUnavailable
 from services.fleet.identity import may_change_models
+from services.fleet.model_matrix import known_size
 from services.gateway import model_change_api as gateway_changes
 from services.gateway.common import ApiError
 from services.router.decide import decide
