@@ -34,6 +34,7 @@ from services.errors import (
     BackendUnavailable,
     BadRequest,
     ConfigError,
+    CoordinatorError,
     InsufficientStorage,
 )
 from services.fleet.health import HealthPolicy
@@ -259,16 +260,7 @@ class Inference:
                 result = await self._call_backend(task, attempt.progress, on_chunk)
         except BackendError as exc:
             self.probe.task_ended(failure_of(exc))
-            return TaskFailed(
-                at=time.time(),
-                task_id=task.task_id,
-                attempt=task.attempt,
-                worker=self.settings.worker_id,
-                code=exc.code,
-                reason=exc.message,
-                retryable=runs_elsewhere(exc, streamed),
-                durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
-            )
+            return self._failed(task, exc, started, retryable=runs_elsewhere(exc, streamed))
         self.probe.task_ended(None, self.backend_name(task.model), task.work.keep_alive)
         if isinstance(result, Embedding):
             return TaskCompleted(
@@ -328,15 +320,7 @@ class Inference:
                 )
         except (BackendError, BadRequest) as exc:
             attempt.log.warning("model change failed", model=task.model, error=exc.message)
-            return TaskFailed(
-                at=time.time(),
-                task_id=task.task_id,
-                attempt=task.attempt,
-                worker=self.settings.worker_id,
-                code=exc.code,
-                reason=exc.message,
-                durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
-            )
+            return self._failed(task, exc, started)
         name, digest = await self._learn_changed(name)
         if attempt.announce is not None:
             with suppress(Exception):  # the next heartbeat says it anyway
@@ -365,6 +349,21 @@ class Inference:
             worker=self.settings.worker_id,
             model=task.model,
             response=f"{name} on {self.settings.worker_id}: {done}",
+            durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
+        )
+
+    def _failed(
+        self, task: TaskMessage, exc: CoordinatorError, started: float, *, retryable: bool = False
+    ) -> TaskFailed:
+        """The task's failure for ``exc``, with the time it took since ``started``."""
+        return TaskFailed(
+            at=time.time(),
+            task_id=task.task_id,
+            attempt=task.attempt,
+            worker=self.settings.worker_id,
+            code=exc.code,
+            reason=exc.message,
+            retryable=retryable,
             durations=Durations(total_ms=(time.perf_counter() - started) * 1000),
         )
 
