@@ -5,7 +5,9 @@ Moving attempt N to attempt N+1, in this order:
 1. the task's ``submitted`` event is read back: its `schemas.work.Work` (everything the
    client asked for, ``stream`` included) goes into the new message whole, so the new
    attempt runs as the client asked;
-2. ``routed`` (attempt N+1) is stored: the fence. From now on a worker holding a copy of
+2. ``routed`` (attempt N+1) is stored: the fence. Taken as a duplicate of one that sends
+   the attempt elsewhere (a task judged never routed that its router routed meanwhile),
+   that one stands and the move goes no further. From now on a worker holding a copy of
    attempt N finds a newer attempt routed and drops it unrun (``services/worker``), the
    server refuses attempt N's outcome (`services.runtime.outcomes.attempt_fence`), and the
    router and the stats projection count only attempt N+1's outcome. An outcome of attempt
@@ -43,6 +45,7 @@ from nats.js.errors import APIError, NotFoundError
 from schemas import message_ids
 from schemas.events import (
     TaskFailed,
+    TaskRouted,
     TaskSubmitted,
     WorkerDuplicate,
     encoder,
@@ -136,6 +139,8 @@ class Actions:
             ),
             msg_id=message_ids.routed(move.task_id, move.attempt),
         )
+        if routed.duplicate and not await self._routed_here(move):
+            return False
         if await ended():
             return False
         notice = CancelNotice(
@@ -152,6 +157,29 @@ class Actions:
             encoder.encode(message),
             headers={"Nats-Msg-Id": message_ids.task_message(move.task_id, move.attempt)},
         )
+        return True
+
+    async def _routed_here(self, move: Move) -> bool:
+        """After a ``routed`` the stream took as a duplicate: does the stored one send the
+        attempt where this move does (this reaper's, or another's, asked again)? A task the
+        reaper took for never routed may have been routed by its router meanwhile (its write
+        held up by an election): that routing stands, and this move queues nothing (a copy
+        here would run where no outcome of it is taken)."""
+        data = await last_on(self.js, task_event(move.task_id, "routed"), leader=True)
+        stored = task_event_decoder.decode(data) if data is not None else None
+        if (
+            isinstance(stored, TaskRouted)
+            and stored.attempt == move.attempt
+            and (stored.queue, stored.worker) != (move.decision.queue, move.decision.worker_id)
+        ):
+            log.warning(
+                "attempt already routed elsewhere; the move queues nothing",
+                task_id=move.task_id,
+                attempt=move.attempt,
+                routed_to=stored.worker,
+                move_to=move.decision.worker_id,
+            )
+            return False
         return True
 
     async def fail(self, fail: Fail, copies: Iterable[int]) -> None:

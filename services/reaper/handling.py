@@ -165,7 +165,10 @@ class FindingHandler:
                     )
                 else:
                     if not queued:
-                        bound.info("task ended as it was being moved; the new attempt not queued")
+                        bound.info(
+                            "task ended as it was being moved (or was routed elsewhere); "
+                            "the new attempt not queued"
+                        )
                         return
                     self.moved += 1
                     bound.warning(

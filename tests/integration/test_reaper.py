@@ -13,10 +13,12 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from structlog.testing import capture_logs
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
+from schemas import message_ids
 from schemas.events import (
     Durations,
     TaskCompleted,
@@ -33,8 +35,10 @@ from schemas.tasks import TaskMessage
 from schemas.work import ModelChange, Work
 from schemas.workers import WorkerRecord
 from services.backends import Embedding, Generation, OnModelProgress
+from services.fleet.dispatch import routed_event
+from services.fleet.policy import Decision
 from services.reaper.actions import Actions
-from services.reaper.decisions import Fail
+from services.reaper.decisions import Fail, Move
 from services.reaper.detectors import TaskFinding
 from services.reaper.handling import FindingHandler
 from services.reaper.settings import ReaperSettings
@@ -884,3 +888,36 @@ async def queue_fenced(js: JetStreamContext, task_id: str, now: float, routed_se
 async def generation_over(ollama: FakeOllama) -> bool:
     stats = ollama.stats()
     return stats["generate_calls"] >= 1 and stats["in_flight"] == 0
+
+
+async def test_a_move_of_a_task_its_router_routed_meanwhile_queues_nothing(nc: Client) -> None:
+    """The reaper took a task for never routed (its router's writes held up by an election)
+    while the router stored its routing: the move's ``routed`` is a duplicate of the router's,
+    which stands. A copy queued where the move wanted would run where no outcome of it is
+    taken (the attempt is routed to another worker), and its client would wait for ever."""
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+    now = time.time()
+    submitted = TaskSubmitted(
+        at=now, task_id="t-late", model=MODEL, timeout_s=60, work=Work(prompt="1+1")
+    )
+    await publish_event(js, submitted, msg_id=message_ids.submitted("t-late"))
+    by_router = Decision("cpu-a", "cpu", "tasks.cpu.cpu-a", "least loaded")
+    routing = routed_event(submitted, 1, by_router, reason="least loaded", domain=None, at=now)
+    await publish_event(js, routing, msg_id=message_ids.routed("t-late", 1))
+
+    async def not_ended() -> bool:
+        return False
+
+    shared = Decision("shared", "cpu", "tasks.cpu.shared", "ghost_pending")
+    actions = Actions(nc, js)
+    moved = await actions.move(Move("t-late", 1, shared, "ghost_pending"), [], not_ended)
+    # The same move asked where the stored routing sends it (a reaper asking again): queued.
+    again = await actions.move(Move("t-late", 1, by_router, "ghost_pending"), [], not_ended)
+
+    assert moved is False
+    with pytest.raises(NotFoundError):
+        await js.get_last_msg("TASKS", "tasks.cpu.shared")
+    assert again is True
+    queued = (await js.get_last_msg("TASKS", "tasks.cpu.cpu-a")).data or b""
+    assert msgspec.json.decode(queued, type=TaskMessage).attempt == 1
