@@ -2,7 +2,8 @@
 
 The router dispatches attempt 1 of a task it submits, the reaper attempt N+1 of a task it
 moves; both build them here from the task as it was submitted, so every attempt carries
-everything the client asked (its `Work`), whoever routed it.
+everything the client asked (its `Work`), whoever routed it, and both send them out with
+`services.runtime.dispatch.dispatch`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The reaper's writes: moving a task (a new attempt), failing it, reporting a duplicate.
 
-Moving attempt N to attempt N+1, in this order:
+Moving attempt N to attempt N+1, in this order (`services.runtime.dispatch`, which sends the
+router's attempt 1 too; each write rides out a bus outage):
 
 1. the task's ``submitted`` event is read back: its `schemas.work.Work` (everything the
    client asked for, ``stream`` included) goes into the new message whole, so the new
@@ -54,10 +55,11 @@ from schemas.events import (
 from schemas.route import CancelNotice
 from schemas.subjects import TASKS_STREAM, cancel_notice, task_event
 from services.errors import SubmissionLost
-from services.fleet.dispatch import routed_event, task_message
+from services.fleet.dispatch import routed_event
 from services.reaper.decisions import Fail, Move
 from services.reaper.detectors import DuplicateFinding
 from services.runtime.bus import publish_event
+from services.runtime.dispatch import RoutedElsewhere, Withdrawn, dispatch
 from services.runtime.outcomes import last_on, store_outcome
 
 log = structlog.get_logger("reaper")
@@ -123,62 +125,55 @@ class Actions:
         self, move: Move, copies: Iterable[int], ended: Callable[[], Awaitable[bool]]
     ) -> bool:
         """Route the task again as ``move.attempt`` and take its older copies out of the
-        queues. False when ``ended()``, asked once the new attempt is routed, says the task
-        ended meanwhile: its new attempt is not queued then."""
+        queues (`services.runtime.dispatch`). False when ``ended()``, asked once the new
+        attempt is routed, says the task ended meanwhile, or when the attempt was routed
+        elsewhere: its new attempt is not queued then."""
         submitted = await self.submission(move.task_id)
         decision = move.decision
-        routed = await publish_event(
-            self.js,
-            routed_event(
-                submitted,
-                move.attempt,
-                decision,
-                reason=move.reason,
-                domain=move.domain,
-                at=time.time(),
-            ),
-            msg_id=message_ids.routed(move.task_id, move.attempt),
+        routed = routed_event(
+            submitted,
+            move.attempt,
+            decision,
+            reason=move.reason,
+            domain=move.domain,
+            at=time.time(),
         )
-        if routed.duplicate and not await self._routed_here(move):
-            return False
-        if await ended():
-            return False
-        notice = CancelNotice(
-            task_id=move.task_id,
-            reason=f"moved on as attempt {move.attempt} ({move.reason})",
-            up_to_attempt=move.attempt - 1,
-        )
-        await self.nc.publish(cancel_notice(move.task_id), encoder.encode(notice))
-        await self.remove(copies)
-        # A repeated move gets the first one's sequence.
-        message = task_message(submitted, move.attempt, int(routed.seq))
-        await self.js.publish(
-            decision.queue,
-            encoder.encode(message),
-            headers={"Nats-Msg-Id": message_ids.task_message(move.task_id, move.attempt)},
-        )
-        return True
 
-    async def _routed_here(self, move: Move) -> bool:
-        """After a ``routed`` the stream took as a duplicate: does the stored one send the
-        attempt where this move does (this reaper's, or another's, asked again)? A task the
-        reaper took for never routed may have been routed by its router meanwhile (its write
-        held up by an election): that routing stands, and this move queues nothing (a copy
-        here would run where no outcome of it is taken)."""
-        data = await last_on(self.js, task_event(move.task_id, "routed"), leader=True)
-        stored = task_event_decoder.decode(data) if data is not None else None
-        if (
-            isinstance(stored, TaskRouted)
-            and stored.attempt == move.attempt
-            and (stored.queue, stored.worker) != (move.decision.queue, move.decision.worker_id)
-        ):
+        def ours(stored: TaskRouted) -> bool:
+            # This move asked again (this reaper's, or another's), not a routing elsewhere.
+            return (stored.attempt, stored.queue, stored.worker) == (
+                move.attempt,
+                decision.queue,
+                decision.worker_id,
+            )
+
+        async def before_queue() -> bool:
+            if await ended():
+                return False
+            notice = CancelNotice(
+                task_id=move.task_id,
+                reason=f"moved on as attempt {move.attempt} ({move.reason})",
+                up_to_attempt=move.attempt - 1,
+            )
+            await self.nc.publish(cancel_notice(move.task_id), encoder.encode(notice))
+            await self.remove(copies)
+            return True
+
+        try:
+            await dispatch(self.js, submitted, routed, ours=ours, before_queue=before_queue)
+        except RoutedElsewhere as exc:
+            # A task the reaper took for never routed that its router routed meanwhile (its
+            # write held up by an election): that routing stands, and a copy queued here
+            # would run where no outcome of it is taken.
             log.warning(
                 "attempt already routed elsewhere; the move queues nothing",
                 task_id=move.task_id,
                 attempt=move.attempt,
-                routed_to=stored.worker,
-                move_to=move.decision.worker_id,
+                routed_to=exc.stored.worker if exc.stored is not None else None,
+                move_to=decision.worker_id,
             )
+            return False
+        except Withdrawn:
             return False
         return True
 

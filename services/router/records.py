@@ -2,9 +2,8 @@
 
 The events (``submitted``, the ``failed`` of a task the router could not queue or whose woken
 worker never started it, or refused before any routing; an attempt's ``routed`` event and
-task message are
-`services.fleet.dispatch`'s), and the route reply
-built from a task's outcome, with its failure as data (``failure``: code and reason apart).
+task message are `services.fleet.dispatch`'s), and the route reply built from a task's
+outcome, with its failure as data (``failure``: code and reason apart).
 """
 
 from __future__ import annotations

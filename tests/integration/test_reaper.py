@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -921,3 +922,38 @@ async def test_a_move_of_a_task_its_router_routed_meanwhile_queues_nothing(nc: C
     assert again is True
     queued = (await js.get_last_msg("TASKS", "tasks.cpu.cpu-a")).data or b""
     assert msgspec.json.decode(queued, type=TaskMessage).attempt == 1
+
+
+async def test_a_move_rides_out_a_bus_outage_as_a_submit_does(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A move's writes go out as the router's (`services.runtime.dispatch`): a routing and a
+    message the server could not take for a moment (no leader yet) are sent again, and the
+    task is queued, not left for the next pass to find as a ghost."""
+    js = nc.jetstream()
+    await ensure_streams(js, worker_ttl_s=3.0)
+    submitted = TaskSubmitted(
+        at=time.time(), task_id="t-outage", model=MODEL, timeout_s=60, work=Work(prompt="1+1")
+    )
+    await publish_event(js, submitted, msg_id=message_ids.submitted("t-outage"))
+    publish = js.publish
+    refused: list[str] = []
+
+    async def no_leader_twice(subject: str, payload: bytes = b"", **kw: Any) -> Any:
+        if sum(s == subject for s in refused) < 2:
+            refused.append(subject)
+            raise nats.errors.NoRespondersError  # a stream electing its leader
+        return await publish(subject, payload, **kw)
+
+    monkeypatch.setattr(js, "publish", no_leader_twice)
+
+    async def not_ended() -> bool:
+        return False
+
+    to = Decision("cpu-b", "cpu", "tasks.cpu.cpu-b", "least loaded")
+    moved = await Actions(nc, js).move(Move("t-outage", 2, to, "dead_worker"), [], not_ended)
+
+    assert moved is True
+    assert sorted(set(refused)) == ["events.task.t-outage.routed", "tasks.cpu.cpu-b"]
+    queued = (await js.get_last_msg("TASKS", "tasks.cpu.cpu-b")).data or b""
+    assert msgspec.json.decode(queued, type=TaskMessage).attempt == 2

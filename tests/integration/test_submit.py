@@ -25,9 +25,9 @@ from schemas.events import TaskFailed, TaskRouted, task_event_decoder
 from schemas.route import RouteRequest
 from services.errors import NoWorker, Unavailable
 from services.fleet.policy import Decision
-from services.router import submit as submit_module
 from services.router.decide import Plan, Submission, submission
 from services.router.submit import AlreadySubmitted, record_refusal, submit
+from services.runtime import dispatch as dispatch_module
 from services.runtime.bus import ensure_streams, publish_event
 from tests.harness import last_task_event
 from tests.integration.test_follow import count_events
@@ -80,7 +80,7 @@ async def test_a_task_that_cannot_be_queued_within_the_window_fails_explicitly(
 ) -> None:
     js = nc.jetstream()
     await ensure_streams(js, worker_ttl_s=3.0)
-    monkeypatch.setattr(submit_module, "OUTAGE_RETRY_S", 0.5)
+    monkeypatch.setattr(dispatch_module, "OUTAGE_RETRY_S", 0.5)
     publish = js.publish
 
     async def no_stream_answers(subject: str, payload: bytes = b"", **kw: Any) -> PubAck:
@@ -106,7 +106,7 @@ async def test_a_routing_whose_write_never_answers_is_not_failed_by_this_router(
     await ensure_streams(js, worker_ttl_s=3.0)
     first = task("t-two-routers")
     await submit(js, first, fences=True)
-    monkeypatch.setattr(submit_module, "OUTAGE_RETRY_S", 0.5)
+    monkeypatch.setattr(dispatch_module, "OUTAGE_RETRY_S", 0.5)
     publish = js.publish
 
     async def routed_unanswered(subject: str, payload: bytes = b"", **kw: Any) -> PubAck:
@@ -131,7 +131,7 @@ async def test_a_routing_moved_on_meanwhile_is_not_failed_by_its_router(
     is refused: it belongs to an attempt that was moved on."""
     js = nc.jetstream()
     await ensure_streams(js, worker_ttl_s=3.0)
-    monkeypatch.setattr(submit_module, "OUTAGE_RETRY_S", 0.5)
+    monkeypatch.setattr(dispatch_module, "OUTAGE_RETRY_S", 0.5)
     publish = js.publish
 
     async def moved_while_queueing(subject: str, payload: bytes = b"", **kw: Any) -> PubAck:
