@@ -55,6 +55,11 @@ EVENTS_SUBJECTS: Final = "events.>"
 # store (and acknowledge) the requests instead of a service answering them.
 ROUTE: Final = "coordinator.route"
 CANCEL: Final = "coordinator.cancel"
+# A cancel sent on a subject that names its sender (`cancel_from`). A reply subject can name
+# anyone's inbox, so a cancel's sender is known only from a subject the server lets nobody
+# else publish: each identity may send cancels on its own only (`services.cli.permissions`).
+# ``coordinator.cancel`` itself serves a bus without users (and the operator).
+CANCELS_FROM: Final = "coordinator.cancel.from.*"
 # Routers ask each other (every router listens, none in a queue group; only one that holds
 # it answers) which of them holds a waiting route request or a task being submitted: what
 # one router knows only in memory, any router can then act on (cancel, follow).
@@ -228,6 +233,20 @@ def inbox_prefix(user: str | None) -> str:
     if user is None:
         return INBOX
     return f"{INBOX}_{check_token('NATS user', user)}"
+
+
+def cancel_from(identity: str | None) -> str:
+    """Where ``identity`` sends a cancel: ``coordinator.cancel.from.<identity>`` (see
+    `CANCELS_FROM`); `CANCEL` without one (a bus without users)."""
+    if identity is None:
+        return CANCEL
+    return f"{CANCELS_FROM[:-1]}{check_token('identity', identity)}"
+
+
+def sender_of_cancel(subject: str) -> str | None:
+    """The identity a cancel's subject names (`cancel_from`); None for `CANCEL`."""
+    prefix = CANCELS_FROM[:-1]
+    return subject.removeprefix(prefix) or None if subject.startswith(prefix) else None
 
 
 def cancel_notice(task_id: str) -> str:

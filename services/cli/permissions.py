@@ -18,6 +18,7 @@ from schemas.subjects import (
     ALIASES,
     ASLEEP_BUCKET,
     CANCEL,
+    CANCELS_FROM,
     CHUNKS,
     EVENTS_STREAM,
     GATEWAY_KEYS_BUCKET,
@@ -43,6 +44,7 @@ from schemas.subjects import (
     WORKERS,
     WORKERS_BUCKET,
     InvalidId,
+    cancel_from,
     check_worker_id,
     inbox_prefix,
     worker_consumer,
@@ -227,7 +229,8 @@ def role_permissions(
                 *_MICRO,
                 ROUTE,
                 WORKERS,
-                "coordinator.cancel",
+                CANCEL,
+                CANCELS_FROM,
                 LAST_EVENT,
                 OWN_CONSUMER,
                 ALIAS_MAP,
@@ -313,7 +316,8 @@ def role_permissions(
                 TASK,
                 WORKERS,
                 STATS,
-                CANCEL,
+                # Its cancels name it: it speaks for its keys (`schemas.subjects.cancel_from`).
+                cancel_from(user),
                 # The dashboard's reads: exclusions, bench baselines, what the reaper does.
                 STATS_EXCLUSIONS,
                 STATS_BASELINES,
@@ -344,7 +348,9 @@ def role_permissions(
         # People's commands: ask, look a task up, cancel, read the fleet and the figures.
         # Changing fleet-wide state (aliases, exclusions, rebuilds) is the operator's.
         return Permissions(
-            publish=[ROUTE, TASK, WORKERS, CANCEL, *_STATS_READS],
+            # A cancel on the subject naming this identity only: a reply subject can name
+            # anyone's inbox, a subject the server checks cannot.
+            publish=[ROUTE, TASK, WORKERS, cancel_from(user), *_STATS_READS],
             subscribe=[_own_inbox(user)],
         )
     if role == "operator":

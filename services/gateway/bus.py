@@ -17,7 +17,7 @@ from nats.aio.subscription import Subscription
 
 from schemas.queries import WorkersReply, WorkerView
 from schemas.route import CHUNK_HEADER, CancelRequest, RouteReply, StreamChunk, failure_of
-from schemas.subjects import CANCEL, WORKERS
+from schemas.subjects import WORKERS, cancel_from
 from services.errors import (
     CoordinatorError,
     NoResponder,
@@ -27,6 +27,7 @@ from services.errors import (
     WaitTimeout,
 )
 from services.gateway.common import ApiError, encoder, failure_status, refusal_status
+from services.runtime.bus import identity_of
 from services.runtime.request import raise_if_error
 
 log = structlog.get_logger("gateway")
@@ -186,10 +187,12 @@ class FleetBus:
             reason="the HTTP client disconnected",
             client=client,
         )
+        # On the subject naming this gateway: only a gateway's identity may speak for a key.
+        cancel_subject = cancel_from(identity_of(self.nc))
         try:
             for attempt in range(CANCEL_TRIES):
                 try:
-                    await self.call(CANCEL, encoder.encode(cancel), QUERY_TIMEOUT_S)
+                    await self.call(cancel_subject, encoder.encode(cancel), QUERY_TIMEOUT_S)
                 except ApiError as exc:
                     if exc.code != NotFound.code or attempt == CANCEL_TRIES - 1 or task_id:
                         raise

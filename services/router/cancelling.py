@@ -1,4 +1,9 @@
-"""The ``coordinator.cancel`` endpoint: a client's cancel passed on to the workers.
+"""The ``coordinator.cancel`` endpoints: a client's cancel passed on to the workers.
+
+Who cancels is the identity the cancel's subject names (``coordinator.cancel.from.<identity>``,
+which the server lets only that identity publish); on ``coordinator.cancel`` (a bus without
+users), the identity whose inbox its reply subject is. Only a task's owner and the operator
+may cancel it (`services.fleet.identity.may_see`).
 
 The router publishes a `CancelNotice` on ``coordinator.cancel.<task_id>`` (core NATS): the
 worker running the task stops it, and one that takes it later fails it unrun. A client that
@@ -20,13 +25,13 @@ from nats.js import JetStreamContext
 
 from schemas.events import encoder
 from schemas.route import CancelNotice, CancelReply
-from schemas.subjects import InvalidId, cancel_notice
+from schemas.subjects import InvalidId, cancel_notice, sender_of_cancel
 from services.errors import BadRequest, NotFound
 from services.fleet.identity import Owner, is_operator, may_see
 from services.router.following import task_owner
 from services.router.peers import Peers
 from services.router.requests import parse_cancel_request
-from services.runtime.endpoints import reply_subject
+from services.runtime.endpoints import reply_subject, request_subject
 from services.runtime.outcomes import current_attempt, stored_outcome
 
 log = structlog.get_logger("router")
@@ -55,7 +60,12 @@ class Canceller:
         not taken it yet fails it unrun when it does. Refused for a task no router knows as
         queued or running (it has ended, or is unknown)."""
         request = parse_cancel_request(body)
-        viewer = Owner.asking(reply_subject.get(), request.client)
+        sender = sender_of_cancel(request_subject.get())
+        viewer = (
+            Owner.asking(reply_subject.get(), request.client)
+            if sender is None
+            else Owner.of(sender, request.client)
+        )
         if request.task_id is None:
             # A reply subject is held a moment after its answer (`services.router.waiting`):
             # its task may have ended. Only whoever may read that reply may cancel by it.

@@ -42,6 +42,7 @@ from schemas.subjects import (
     ALIAS_MAP,
     ASLEEP_BUCKET,
     CANCEL,
+    CANCELS_FROM,
     CHUNKS,
     LAST_EVENT,
     OWN_CONSUMER,
@@ -208,6 +209,9 @@ class Router:
         await add_endpoint(self._service, "route", ROUTE, self.handle_route, self.tasks)
         await add_endpoint(self._service, "workers", WORKERS, self.handle_workers, self.tasks)
         await add_endpoint(self._service, "cancel", CANCEL, self.canceller.handle, self.tasks)
+        await add_endpoint(
+            self._service, "cancel-from", CANCELS_FROM, self.canceller.handle, self.tasks
+        )
         # What a worker with credentials may not do itself: read its tasks' events, make its
         # own consumer, follow the aliases.
         for name, subject, handler in (
@@ -220,7 +224,7 @@ class Router:
         await flush_written(self.nc)  # in place for every client before anyone is told
         log.info(
             "router ready",
-            subjects=[ROUTE, WORKERS, CANCEL, LAST_EVENT, OWN_CONSUMER, ALIAS_MAP],
+            subjects=[ROUTE, WORKERS, CANCEL, CANCELS_FROM, LAST_EVENT, OWN_CONSUMER, ALIAS_MAP],
         )
 
     async def stop(self) -> None:

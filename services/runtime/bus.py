@@ -53,7 +53,7 @@ from schemas.subjects import (
     inbox_prefix,
 )
 from services.errors import ConfigError, StopRequested, Unavailable
-from services.fleet.identity import identity_of_creds
+from services.fleet.identity import asker_of, identity_of_creds
 from services.runtime.lifecycle import current_stop
 from services.runtime.settings import DEFAULT_WORKER_TTL_S, NatsAuth, Settings, nats_servers
 from services.runtime.tracing import inject_context
@@ -281,6 +281,13 @@ def local_network_hint(errno: int | None, platform: str) -> str:
         " desktop session, so start it once from a logged-in Terminal, not over SSH or"
         " launchd)"
     )
+
+
+def identity_of(nc: Client) -> str | None:
+    """The identity this connection's inbox names (`services.fleet.identity.asker_of`): the
+    one whose subjects it may publish on (`schemas.subjects.cancel_from`); None on a bus
+    without users."""
+    return asker_of(nc.new_inbox())
 
 
 def _auth_options(auth: NatsAuth) -> dict[str, Any]:

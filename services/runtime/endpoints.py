@@ -42,6 +42,8 @@ Handler = Callable[[bytes], Awaitable[bytes | None]]
 # The reply subject of the request being handled (each request runs in its own task), for a
 # handler that sends more than one message back, such as a streamed route.
 reply_subject: ContextVar[str] = ContextVar("reply_subject", default="")
+# The subject a request came on: an endpoint on a wildcard subject reads its tokens.
+request_subject: ContextVar[str] = ContextVar("request_subject", default="")
 
 # An error's message in a reply: one that quotes the request (a bad id, say) must not make
 # the reply as large as the request, nor its header longer than a header line should be.
@@ -152,6 +154,7 @@ async def _answer(name: str, subject: str, handler: Handler, request: Request) -
     # nats.micro's Request does not expose the reply subject; its message does.
     reply_to = request._msg.reply or ""
     reply_subject.set(reply_to)
+    request_subject.set(request._msg.subject)
     with tracer.start_as_current_span(
         name,
         context=extract_context(request.headers),

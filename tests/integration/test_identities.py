@@ -37,6 +37,7 @@ from schemas.subjects import (
     TASK,
     TASKS_STREAM,
     WORKERS,
+    cancel_from,
     worker_consumer,
 )
 from services.cli.health import setup_streams
@@ -52,11 +53,13 @@ from tests.harness import (
     ServiceRunner,
     clean_env,
     eventually,
+    last_task_event,
     request,
     run_cli,
     workers_live,
 )
 from tests.hosts import NetnsHost, netns_hosts, netns_unavailable
+from tests.integration.test_gateway import start_gateway
 from tests.integration.test_processes import wait_until_ready
 
 MODEL = "qwen2.5:0.5b"
@@ -428,6 +431,31 @@ async def code_of(nc: Client, subject: str, body: dict[str, Any]) -> str | None:
     return headers.get("Nats-Service-Error-Code")
 
 
+async def bob_cannot_cancel_as_alice(
+    bob: Client, errors: Errors, alice: Client, task_id: str
+) -> bool:
+    """Bob, knowing the id of Alice's task, sends its cancel with Alice's inbox as the reply
+    subject (a reply subject is not checked by the server): on the plain subject and on the
+    one naming Alice, the server refuses his publish; on the one naming him, the router takes
+    him for himself and answers Alice's inbox ``not_found``. True when all three failed."""
+    answered: asyncio.Queue[Any] = asyncio.Queue()
+    inbox = "_INBOX_alice.forged"
+    await alice.subscribe(inbox, cb=answered.put)
+    await alice.flush()
+    body = json.dumps({"task_id": task_id, "reason": "forged"}).encode()
+    for subject in (CANCEL, cancel_from("alice"), cancel_from("bob")):
+        await bob.publish(subject, body, reply=inbox)
+    await bob.flush()
+    reply = await asyncio.wait_for(answered.get(), 10.0)
+    refused = [e for e in errors.seen if "permissions violation" in e]
+    # The server refused the first two (they reach nobody); the router refused the third.
+    return (
+        reply.headers.get("Nats-Service-Error-Code") == "not_found"
+        and any(CANCEL + '"' in e for e in refused)
+        and any(cancel_from("alice") in e for e in refused)
+    )
+
+
 async def test_a_task_is_read_followed_cancelled_and_listed_only_by_who_asked_and_the_operator(
     ready: Fleet, ollama: FakeOllama, pg_dsn: str, runner: ServiceRunner
 ) -> None:
@@ -436,7 +464,8 @@ async def test_a_task_is_read_followed_cancelled_and_listed_only_by_who_asked_an
     stats = str(ready.creds("stats", "s1"))
     runner.start(run_stats, StatsSettings(nats_url=url, pg_dsn=pg_dsn, nats_creds=stats))
     alice = await connect_as(ready, ready.creds("client", "alice"))
-    bob = await connect_as(ready, ready.creds("client", "bob"))
+    bob_errors = Errors()
+    bob = await connect_as(ready, ready.creds("client", "bob"), bob_errors)
     ops = await connect_as(ready, ready.creds("operator", "ann"))
     try:
         task_id = (await ask(alice, "mine"))["task_id"]
@@ -474,8 +503,10 @@ async def test_a_task_is_read_followed_cancelled_and_listed_only_by_who_asked_an
         assert await eventually(shown_to_alice, timeout_s=10.0) == running
         assert await listed(ops) == running
         assert await listed(bob) is None
-        assert await code_of(bob, CANCEL, {"task_id": running}) == "not_found"
-        assert await code_of(alice, CANCEL, {"task_id": running}) is None
+        assert await code_of(bob, cancel_from("bob"), {"task_id": running}) == "not_found"
+        assert await bob_cannot_cancel_as_alice(bob, bob_errors, alice, running)
+        assert await listed(alice) == running  # none of it stopped the task
+        assert await code_of(alice, cancel_from("alice"), {"task_id": running}) is None
         again = {"prompt": "a long one", "model": MODEL, "task_id": running, "wait": True}
         ended, _ = await request(alice, ROUTE, again, 20.0)
         assert (ended["task_id"], ended["status"]) == (running, "failed"), ended
@@ -483,6 +514,52 @@ async def test_a_task_is_read_followed_cancelled_and_listed_only_by_who_asked_an
     finally:
         for nc in (alice, bob, ops):
             await nc.close()
+
+
+async def test_a_gateway_cancels_the_task_of_a_client_that_went_away_as_itself(
+    ready: Fleet, ollama: FakeOllama, runner: ServiceRunner
+) -> None:
+    """The gateway, under its own identity, cancels the task of an HTTP client that hung up
+    mid-stream: on the cancel subject naming it, the only one it may publish, from which the
+    router knows it speaks for the task's key."""
+    run_services(ready, runner, ollama.url, "cpu1")
+    gateway = str(ready.creds("gateway", "gw"))
+    url = await start_gateway(runner, ready.server.url, nats_creds=gateway)
+    ops = await connect_as(ready, ready.creds("operator", "ann"))
+    try:
+        await workers_live(ops, 1, timeout_s=30)
+        ollama.configure(chunk_delay_s=0.3)
+        body = json.dumps({"model": MODEL, "prompt": "a long one"}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /api/generate HTTP/1.1\r\nHost: gateway\r\n"
+            + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        await reader.readuntil(b"}\n")  # the first piece
+        writer.close()
+        await writer.wait_closed()
+        task_id = next(
+            line.split(":", 1)[1].strip()
+            for line in head.split("\r\n")
+            if line.lower().startswith("x-coordinator-task:")
+        )
+
+        async def failed() -> dict[str, Any] | None:
+            try:
+                msg = await last_task_event(ops.jetstream(), task_id, "failed")
+            except nats.js.errors.NotFoundError:
+                return None
+            decoded: dict[str, Any] = json.loads(msg.data or b"")
+            return decoded
+
+        ended = await eventually(failed, timeout_s=20.0)
+        assert ended["code"] == "cancelled", ended
+        assert "disconnected" in ended["reason"], ended
+    finally:
+        await ops.close()
 
 
 async def test_coordinator_up_gives_each_service_its_own_identity_and_keeps_it(

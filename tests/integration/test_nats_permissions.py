@@ -33,7 +33,6 @@ from schemas.events import (
 )
 from schemas.measures import Durations
 from schemas.subjects import (
-    CANCEL,
     EVENTS_STREAM,
     LEADERS_BUCKET,
     ROUTE,
@@ -41,6 +40,7 @@ from schemas.subjects import (
     STATS_CONSUMER,
     TASK,
     TASKS_STREAM,
+    cancel_from,
     inbox_prefix,
     task_event,
 )
@@ -529,10 +529,12 @@ async def test_two_of_each_service_share_the_work_under_their_own_users(
             await client.publish(ROUTE, msgspec.json.encode(body), reply=inbox)
             await eventually(lambda: routed(admin, waiting))
             for _ in range(6):  # either router takes each: every one is a cancel
-                cancel, headers = await request(client, CANCEL, {"reply_to": inbox}, 5.0)
+                cancel, headers = await request(
+                    client, cancel_from("client"), {"reply_to": inbox}, 5.0
+                )
                 assert "Nats-Service-Error-Code" not in headers, cancel
             # The worker, freed, takes the cancelled one and ends it unrun.
-            await request(client, CANCEL, {"task_id": queued["task_id"]}, 5.0)
+            await request(client, cancel_from("client"), {"task_id": queued["task_id"]}, 5.0)
             final = msgspec.json.decode((await answers.next_msg(timeout=15)).data)
             assert final["failure"]["code"] == "cancelled"
             assert final["task_id"] == waiting
