@@ -438,29 +438,35 @@ async def test_a_task_that_times_out_is_504(
 # -- a client that goes away -----------------------------------------------------------------------
 
 
-async def test_a_client_that_disconnects_mid_stream_cancels_its_task(
-    stack: Stack, nc: Client
-) -> None:
-    stack.ollama.chunk_delay_s = 0.2
-    long_prompt = "please write about " + " ".join(f"topic{n}" for n in range(40))
-    body = msgspec.json.encode({"model": PLAIN, "prompt": long_prompt})
-    host, port = stack.url.removeprefix("http://").split(":")
+async def hang_up_mid_stream(url: str, body: dict[str, Any]) -> str:
+    """Stream ``/api/generate`` with ``body`` through the gateway at ``url``, hang up after
+    the first piece, and return the task's id (its ``X-Coordinator-Task`` header)."""
+    data = msgspec.json.encode(body)
+    host, port = url.removeprefix("http://").split(":")
     # A plain socket, so hanging up is exactly that: no client library tidying up.
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
         b"POST /api/generate HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
     )
     head = (await reader.readuntil(b"\r\n\r\n")).decode()
     await reader.readuntil(b"}\n")  # the first piece
     writer.close()
     await writer.wait_closed()
-    task_id = next(
+    return next(
         line.split(":", 1)[1].strip()
         for line in head.split("\r\n")
         if line.lower().startswith("x-coordinator-task:")
     )
+
+
+async def test_a_client_that_disconnects_mid_stream_cancels_its_task(
+    stack: Stack, nc: Client
+) -> None:
+    stack.ollama.chunk_delay_s = 0.2
+    long_prompt = "please write about " + " ".join(f"topic{n}" for n in range(40))
+    task_id = await hang_up_mid_stream(stack.url, {"model": PLAIN, "prompt": long_prompt})
 
     failed = await stored_failure(nc, task_id)
     assert failed["code"] == "cancelled"

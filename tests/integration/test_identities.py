@@ -59,7 +59,7 @@ from tests.harness import (
     workers_live,
 )
 from tests.hosts import NetnsHost, netns_hosts, netns_unavailable
-from tests.integration.test_gateway import start_gateway
+from tests.integration.test_gateway import hang_up_mid_stream, start_gateway
 from tests.integration.test_processes import wait_until_ready
 
 MODEL = "qwen2.5:0.5b"
@@ -529,23 +529,7 @@ async def test_a_gateway_cancels_the_task_of_a_client_that_went_away_as_itself(
     try:
         await workers_live(ops, 1, timeout_s=30)
         ollama.configure(chunk_delay_s=0.3)
-        body = json.dumps({"model": MODEL, "prompt": "a long one"}).encode()
-        host, port = url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(
-            b"POST /api/generate HTTP/1.1\r\nHost: gateway\r\n"
-            + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        head = (await reader.readuntil(b"\r\n\r\n")).decode()
-        await reader.readuntil(b"}\n")  # the first piece
-        writer.close()
-        await writer.wait_closed()
-        task_id = next(
-            line.split(":", 1)[1].strip()
-            for line in head.split("\r\n")
-            if line.lower().startswith("x-coordinator-task:")
-        )
+        task_id = await hang_up_mid_stream(url, {"model": MODEL, "prompt": "a long one"})
 
         async def failed() -> dict[str, Any] | None:
             try:
