@@ -3,6 +3,11 @@
 board and the bench history (the event log), and the stats service's and the reaper's
 answers. Pure: no I/O, no clock (``now`` is given).
 
+A worker is judged by the one rule (`services.fleet.liveness`), and judged not live only once
+the gateway's view of the registry has settled (`Known.settled`, `services.fleet.settling`):
+until then, after a reconnect, its record may be the one from before the outage, so it shows
+its last recorded state rather than ``lost``.
+
 Each section is one JSON document the page renders whole; ``GET /dashboard/state`` is all of
 them, ``GET /dashboard/stream`` sends each again when it changes. Nothing of a prompt or an
 answer is in any of them: the page shows the fleet, not what people asked it.
@@ -39,7 +44,7 @@ class WorkerRow(msgspec.Struct, frozen=True, kw_only=True):
     tier: str
     state: str
     """As its heartbeat says (idle, busy, stopping, asleep), or ``lost`` (no heartbeat for
-    ``WORKER_TTL_S``) or ``gone`` (it left the registry)."""
+    ``WORKER_TTL_S``, once the view has settled) or ``gone`` (it left the registry)."""
     health: str
     health_reason: str | None = None
     health_since: float | None = None
@@ -115,21 +120,36 @@ class Known:
     projected_seq: int = 0
     unavailable: dict[str, str] = field(default_factory=dict)
     """What could not be read lately, by source, with why (shown as a warning)."""
+    settled: bool = True
+    """Has the view of the registry settled (`services.fleet.settling`)? While it settles
+    (after a reconnect, or while the bucket stores no heartbeats) a stale heartbeat proves
+    nothing: the worker's fresh one may not be read yet."""
 
 
 def forget_departed(known: Known, now: float, ttl_s: float) -> None:
-    """Drop workers gone or silent for `FORGET_AFTER_S`."""
+    """Drop workers gone or silent for `FORGET_AFTER_S` (a silent one only once the view has
+    settled: until then its silence is not known)."""
     for worker_id, record in list(known.records.items()):
+        if worker_id not in known.gone and not known.settled:
+            continue
         left = known.gone.get(worker_id, record.heartbeat_at + ttl_s)
         if now - left > FORGET_AFTER_S:
             known.records.pop(worker_id)
             known.gone.pop(worker_id, None)
 
 
+def _live(known: Known, record: WorkerRecord, now: float, ttl_s: float) -> bool:
+    """Is the worker live, as far as the view may tell: by the one rule, but while the view
+    settles a stale heartbeat does not count against it (stopping still does)."""
+    if not known.settled:
+        return record.state != "stopping"
+    return is_live(record, now, ttl_s)
+
+
 def _state(known: Known, record: WorkerRecord, now: float, ttl_s: float) -> str:
     if record.worker_id in known.gone:
         return "gone"
-    if record.state != "stopping" and not is_live(record, now, ttl_s):
+    if record.state != "stopping" and not _live(known, record, now, ttl_s):
         return "lost"
     return record.state
 
@@ -307,13 +327,14 @@ def for_key(built: dict[str, Any], client: str, board: TaskBoard) -> dict[str, A
 
 
 def gauges(known: Known, now: float, ttl_s: float) -> Gauges:
-    """The metrics' gauges: workers still in the registry, the open tasks, the log's state."""
+    """The metrics' gauges: workers still in the registry (up while live, a stale heartbeat
+    counting only once the view has settled), the open tasks, the log's state."""
     workers = [
         WorkerGauge(
             worker=r.worker_id,
-            up=is_live(r, now, ttl_s),
+            up=_live(known, r, now, ttl_s),
             healthy=r.health == "healthy",
-            in_flight=1 if r.current_task is not None and is_live(r, now, ttl_s) else 0,
+            in_flight=1 if r.current_task is not None and _live(known, r, now, ttl_s) else 0,
             heartbeat_age_s=max(0.0, now - r.heartbeat_at),
             queue_depth=view.queue_depth if (view := known.views.get(r.worker_id)) else None,
         )

@@ -3,6 +3,12 @@ event log (``EVENTS``) through ordered consumers, and the read-only endpoints
 (``coordinator.workers``, ``coordinator.stats`` and its exclusions and baselines,
 ``coordinator.reaper.status``), polled.
 
+The bucket is followed as the router and the reaper follow it (`RegistryFeed`: the watch,
+started again after a reconnect, and the stall check), so the dashboard judges liveness as
+they do: after a reconnect the watch hands back each worker's record from before the outage,
+whose heartbeat looks stale, so no worker shows ``lost`` until the view has settled
+(`services.fleet.settling`; `Known.settled`).
+
 The event log is read through JetStream, not a plain subscription on ``events.>``: only
 what the stream stored is a fact (a claim the stream refused for a stale attempt, or a
 publish it deduplicated, still reaches plain subscribers). One ordered consumer reads it from
@@ -20,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from contextlib import suppress
 from typing import Any, Final
 
@@ -31,7 +37,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.kv import KeyValue
 
 from schemas.events import any_event_decoder
 from schemas.stats import (
@@ -53,17 +58,17 @@ from schemas.subjects import (
     WORKERS,
     WORKERS_BUCKET,
 )
-from schemas.workers import worker_record_decoder
+from schemas.workers import WorkerRecord
 from services.gateway.bench_history import BenchHistory
 from services.gateway.board import Ended, TaskBoard
 from services.gateway.bus import FleetBus
 from services.gateway.common import ApiError, encoder
 from services.gateway.dashboard_view import Known, forget_departed, gauges, sections
-from services.gateway.metrics import FleetMetrics
+from services.gateway.metrics import FleetMetrics, Gauges
 from services.gateway.settings import GatewaySettings
 from services.runtime.aliases import consumer_name, rename_on_reset
 from services.runtime.lifecycle import TaskSet
-from services.runtime.watch import follow_bucket, value_of
+from services.runtime.registry import RegistryFeed
 
 log = structlog.get_logger("gateway")
 
@@ -108,6 +113,30 @@ class Pulse:
         return True
 
 
+class KnownWorkers:
+    """The dashboard's registry (`Known.records` and `Known.gone`) as `RegistryFeed` keeps a
+    view (`services.runtime.registry.WorkersView`): a worker that leaves stays listed, gone
+    since then, with its last record; ``changed`` is called on every change."""
+
+    def __init__(self, known: Known, changed: Callable[[], None]) -> None:
+        self.known = known
+        self.changed = changed
+
+    def put_worker(self, record: WorkerRecord) -> None:
+        self.known.records[record.worker_id] = record
+        self.known.gone.pop(record.worker_id, None)
+        self.changed()
+
+    def remove_worker(self, worker_id: str) -> None:
+        if worker_id in self.known.records:
+            self.known.gone[worker_id] = time.time()
+        self.changed()
+
+    def records(self) -> Iterable[WorkerRecord]:
+        """The workers still in the registry (not gone)."""
+        return [r for key, r in self.known.records.items() if key not in self.known.gone]
+
+
 class Feed:
     """Keeps `known` (and the metrics) up to date, and the sections encoded."""
 
@@ -117,7 +146,10 @@ class Feed:
         self.bus = bus
         self.settings = settings
         self.known = Known(board=TaskBoard(supports=self._supports), bench=BenchHistory())
-        self.metrics = FleetMetrics(lambda: gauges(self.known, time.time(), self.ttl_s))
+        self.metrics = FleetMetrics(self._gauges)
+        self.registry = RegistryFeed(
+            nc, KnownWorkers(self.known, self._mark_dirty), settings.worker_ttl_s, role="gateway"
+        )
         # The sections as last built, and encoded (what every viewer but another key's gets).
         self.built: dict[str, Any] = {}
         self.encoded: dict[str, bytes] = {}
@@ -130,6 +162,9 @@ class Feed:
         self._subs: list[Subscription] = []
         self._dirty = asyncio.Event()
         self._nudges = {name: asyncio.Event() for name in ("stats", "exclusions", "baselines")}
+
+    def _mark_dirty(self) -> None:
+        self._dirty.set()
 
     @property
     def ttl_s(self) -> float:
@@ -256,16 +291,17 @@ class Feed:
             except Exception as exc:
                 log.warning("dashboard: the workers bucket is not readable yet", error=repr(exc))
                 await asyncio.sleep(2.0)
-        await follow_bucket(self.nc, kv, self._on_worker, asyncio.Event())
+        self.registry.follow(self.js, kv, asyncio.Event(), self._tasks)
 
-    def _on_worker(self, entry: KeyValue.Entry) -> None:
-        if (value := value_of(entry)) is None:
-            if entry.key in self.known.records:
-                self.known.gone[entry.key] = time.time()
-        else:
-            self.known.records[entry.key] = worker_record_decoder.decode(value)
-            self.known.gone.pop(entry.key, None)
-        self._dirty.set()
+    def _settle(self, now: float) -> None:
+        """Whether the view of the registry has settled at ``now``, for the sections and the
+        gauges (a reconnect not noticed yet is noticed here)."""
+        self.known.settled = self.registry.settled(now)
+
+    def _gauges(self) -> Gauges:
+        now = time.time()
+        self._settle(now)
+        return gauges(self.known, now, self.ttl_s)
 
     # -- the endpoints ---------------------------------------------------------------------------
 
@@ -362,6 +398,7 @@ class Feed:
                     await self._dirty.wait()
             self._dirty.clear()
             now = time.time()
+            self._settle(now)
             forget_departed(self.known, now, self.ttl_s)
             self.known.board.prune(now - OPEN_FORGET_S)
             changed = self.build(now)
@@ -374,6 +411,7 @@ class Feed:
     def build(self, now: float) -> bool:
         """Encode every section; whether any changed (its version goes up)."""
         changed = False
+        self._settle(now)
         self.built = sections(self.known, now, self.ttl_s)
         for name, value in self.built.items():
             data = encoder.encode(value)

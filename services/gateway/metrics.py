@@ -35,7 +35,8 @@ class WorkerGauge:
 
     worker: str
     up: bool
-    """Live: its heartbeat is fresh and it is not stopping (`services.fleet.liveness`)."""
+    """Live: its heartbeat is fresh and it is not stopping (`services.fleet.liveness`); a
+    stale heartbeat counts only once the view of the registry has settled."""
     healthy: bool
     in_flight: int
     heartbeat_age_s: float

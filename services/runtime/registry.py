@@ -1,14 +1,15 @@
 """A service's feed of the ``workers`` bucket, and whether its view of it has settled.
 
-The router and the reaper each keep a view of the registry, and each judges from it whether a
-worker is live. The KV watch (`services.runtime.watch.follow_bucket`) feeds
-`RegistryFeed.on_entry`; a new connection to NATS (noticed by the watch as it starts again, or
-by a caller that comes first) makes the view settle again (`services.fleet.settling`), and so
-does a registry that stores no heartbeats while the connection stays up
-(`services.runtime.stall`). Until it has, no worker is judged not live: the router answers a
-request no live worker could take `Unavailable` (retryable, with a hint of when to retry)
-instead of ``no_worker``, and the reaper moves nothing, since the worker may well be live,
-its fresh heartbeat not read yet.
+The router, the reaper and the gateway (its dashboard and metrics) each keep a view of the
+registry, and each judges from it whether a worker is live. The KV watch
+(`services.runtime.watch.follow_bucket`) feeds `RegistryFeed.on_entry`; a new connection to
+NATS (noticed by the watch as it starts again, or by a caller that comes first) makes the view
+settle again (`services.fleet.settling`), and so does a registry that stores no heartbeats
+while the connection stays up (`services.runtime.stall`). Until it has, no worker is judged
+not live: the router answers a request no live worker could take `Unavailable` (retryable,
+with a hint of when to retry) instead of ``no_worker``, the reaper moves nothing, and the
+dashboard shows no worker ``lost``, since the worker may well be live, its fresh heartbeat not
+read yet.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class RegistryFeed:
 
     def settled(self, now: float) -> bool:
         """May a worker be judged not live at ``now``: may the router say that no live
-        worker can take a request, may the reaper move a worker's tasks?"""
+        worker can take a request, may the reaper move a worker's tasks, may the dashboard
+        show a worker ``lost``?"""
         self.notice_reconnect(now)
         return self.settling.settled(now, self.ttl_s)
 

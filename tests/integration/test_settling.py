@@ -15,11 +15,13 @@ import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client
+from structlog.testing import capture_logs
 
 from devtools.fakes.ollama import FakeOllama
 from devtools.servers import NatsServer
 from schemas.subjects import ROUTE, WORKERS_BUCKET
 from schemas.workers import WorkerRecord
+from services.runtime.bus import ensure_streams
 from tests.harness import ServiceRunner, eventually, workers_live
 from tests.integration.test_gateway import start_gateway
 
@@ -27,6 +29,11 @@ PLAIN = "qwen2.5:0.5b"
 THINKER = "qwen3:0.6b"
 # Longer than the services' WORKER_TTL_S (3 s): every heartbeat from before it is stale after.
 OUTAGE_S = 4.0
+# The gateway's WORKER_TTL_S in the dashboard's test (shorter than `OUTAGE_S`).
+DASHBOARD_TTL_S = 3.0
+# How long after a reconnect the gateway's view may settle at the latest: a TTL, and the time
+# a registry that does not answer yet right after the restart adds (`stall.FAILOVER_S`, 9 s).
+SETTLED_WITHIN_S = DASHBOARD_TTL_S + 9.0 + 5.0
 
 
 async def reconnecting(url: str) -> Client:
@@ -172,3 +179,85 @@ async def test_the_gateway_answers_503_with_retry_after_while_the_router_rereads
         finally:
             await http.aclose()
             await nc.close()
+
+
+async def test_the_dashboard_shows_no_worker_lost_until_its_view_has_settled_after_a_reconnect(
+    nats_server: NatsServer, runner: ServiceRunner
+) -> None:
+    """After an outage longer than ``WORKER_TTL_S`` the gateway's watch hands back a worker's
+    record from before it, its heartbeat stale: right after the gateway's reconnect the
+    dashboard shows the worker in its last state, and ``lost`` only once a TTL has passed since
+    the reconnect with no heartbeat. The test writes the worker's record itself, so no
+    heartbeat comes after the outage."""
+    nc = await reconnecting(nats_server.url)
+    try:
+        # The bucket keeps the entry through the outage (a TTL of its own, longer than the
+        # test), so the watch hands the record from before it back after the reconnect.
+        workers = await ensure_streams(nc.jetstream(), worker_ttl_s=300.0)
+        with capture_logs() as logs:
+            url = await start_gateway(runner, nats_server.url, worker_ttl_s=DASHBOARD_TTL_S)
+            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+
+                async def shown() -> dict[str, Any]:
+                    """The worker's row with the time of the build it is from."""
+                    state = (await http.get("/dashboard/state")).json()
+                    rows = [w for w in state["workers"] if w["worker_id"] == "cpu-silent"]
+                    return {"now": state["summary"]["now"], **(rows[0] if rows else {})}
+
+                beat = time.time()
+                busy = WorkerRecord(
+                    worker_id="cpu-silent",
+                    host="host-silent",
+                    instance_id="i-1",
+                    pid=1,
+                    version="t",
+                    supports=["cpu_inference"],
+                    models=[PLAIN],
+                    started_at=beat,
+                    heartbeat_at=beat,
+                    state="busy",
+                )
+                await workers.put("cpu-silent", msgspec.json.encode(busy))
+
+                # The gateway holds the last heartbeat before the outage.
+                async def holds_it() -> bool:
+                    return (await shown()).get("last_heartbeat") == beat
+
+                await eventually(holds_it, timeout_s=10)
+
+                nats_server.stop()
+                await asyncio.sleep(OUTAGE_S)  # the outage itself: longer than the TTL
+                back_at = time.time()
+                await asyncio.to_thread(nats_server.start)
+
+                async def gateway_reconnected() -> bool:
+                    return any(
+                        e["event"] == "nats reconnected"
+                        and e.get("client") == "coordinator-gateway"
+                        for e in logs
+                    )
+
+                await eventually(gateway_reconnected, timeout_s=15)
+                reconnected_seen = time.time()
+
+                # The first build after the reconnect: the worker in its last state.
+                async def built_since_reconnect() -> dict[str, Any] | None:
+                    row = await shown()
+                    return row if row["now"] >= reconnected_seen else None
+
+                first = await eventually(built_since_reconnect, timeout_s=5)
+                assert first["state"] == "busy", first
+                assert first["last_heartbeat"] == beat
+
+                # No heartbeat since: lost, once a TTL has passed since the reconnect.
+                async def lost() -> dict[str, Any] | None:
+                    row = await shown()
+                    return row if row["state"] == "lost" else None
+
+                after = await eventually(lost, timeout_s=SETTLED_WITHIN_S)
+                assert after["now"] >= back_at + DASHBOARD_TTL_S, (after, back_at)
+                assert after["last_heartbeat"] == beat
+        settling = [e for e in logs if e["event"] == "reading the registry again after a reconnect"]
+        assert [e["awaited"] for e in settling] == [["cpu-silent"]], settling
+    finally:
+        await nc.close()

@@ -1,5 +1,6 @@
 """The dashboard's and the metrics' pure parts: the task board folded from events, the metric
-updates of each change, the bench history, and the sections the page renders."""
+updates of each change, the bench history, the sections the page renders (while the registry
+settles, and once it has), and the registry view the feed keeps."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ from schemas.workers import WorkerRecord
 from services.gateway.bench_history import BenchHistory
 from services.gateway.board import Ended, ReaperAction, Submitted, TaskBoard, percentile
 from services.gateway.dashboard_view import Known, forget_departed, gauges, sections
+from services.gateway.feed import KnownWorkers
 from services.gateway.metrics import FleetMetrics, Gauges, WorkerGauge
+from services.runtime.registry import WorkersView
 
 SUPPORTS: dict[str, list[str]] = {"cpu-1": ["cpu_inference"], "cpu-2": ["cpu_inference"]}
 
@@ -402,3 +405,78 @@ def test_the_sections_show_live_lost_and_gone_workers_with_their_task_and_queue(
     ]
     forget_departed(known, now=100.0 + 700.0, ttl_s=3.0)
     assert known.records == {} and known.gone == {}
+
+
+def test_no_worker_is_lost_while_the_registry_settles_and_a_stale_one_is_once_settled() -> None:
+    """After a reconnect the records are those from before the outage, their heartbeats stale:
+    until the view has settled each worker shows its last recorded state, up in the gauges;
+    a stopping worker is still not up, a gone one still gone."""
+    b = board()
+    fold(b, submitted(), routed(), started())
+    known = Known(board=b, bench=BenchHistory(), settled=False)
+    known.records = {
+        "cpu-1": record("cpu-1", 90.0, state="busy", current_task="t1", current_model="m"),
+        "cpu-2": record("cpu-2", 90.0),
+        "cpu-3": record("cpu-3", 90.0, state="stopping"),
+        "cpu-4": record("cpu-4", 90.0),
+    }
+    known.gone = {"cpu-4": 90.5}
+
+    def shown() -> tuple[dict[str, tuple[str, str | None]], int]:
+        doc = msgspec.json.decode(msgspec.json.encode(sections(known, now=100.0, ttl_s=3.0)))
+        rows = {w["worker_id"]: (w["state"], w["current_task"]) for w in doc["workers"]}
+        return rows, doc["summary"]["live"]
+
+    def up() -> list[tuple[str, bool, int]]:
+        return [(w.worker, w.up, w.in_flight) for w in gauges(known, 100.0, 3.0).workers]
+
+    assert shown() == (
+        {
+            "cpu-1": ("busy", "t1"),
+            "cpu-2": ("idle", None),
+            "cpu-3": ("stopping", None),
+            "cpu-4": ("gone", None),
+        },
+        3,
+    )
+    assert up() == [("cpu-1", True, 1), ("cpu-2", True, 0), ("cpu-3", False, 0)]
+
+    known.settled = True
+    assert shown() == (
+        {
+            "cpu-1": ("lost", None),
+            "cpu-2": ("lost", None),
+            "cpu-3": ("stopping", None),
+            "cpu-4": ("gone", None),
+        },
+        1,
+    )
+    assert up() == [("cpu-1", False, 0), ("cpu-2", False, 0), ("cpu-3", False, 0)]
+
+
+def test_a_silent_worker_is_forgotten_only_once_the_registry_has_settled() -> None:
+    known = Known(board=board(), bench=BenchHistory(), settled=False)
+    known.records = {"cpu-1": record("cpu-1", 90.0), "cpu-2": record("cpu-2", 90.0)}
+    known.gone = {"cpu-2": 90.0}
+    forget_departed(known, now=90.0 + 700.0, ttl_s=3.0)
+    assert list(known.records) == ["cpu-1"] and known.gone == {}
+    known.settled = True
+    forget_departed(known, now=90.0 + 700.0, ttl_s=3.0)
+    assert known.records == {}
+
+
+def test_the_dashboards_registry_keeps_a_worker_that_left_as_gone() -> None:
+    """The view `RegistryFeed` keeps for the dashboard: a removed worker stays listed, gone
+    since its removal, and out of the registry's records; every change marks the feed."""
+    known = Known(board=board(), bench=BenchHistory())
+    changes: list[None] = []
+    view: WorkersView = KnownWorkers(known, lambda: changes.append(None))
+    view.put_worker(record("cpu-1", 10.0))
+    view.put_worker(record("cpu-2", 10.0))
+    view.remove_worker("cpu-2")
+    view.remove_worker("cpu-9")  # never known: nothing to list
+    assert set(known.records) == {"cpu-1", "cpu-2"} and set(known.gone) == {"cpu-2"}
+    assert [r.worker_id for r in view.records()] == ["cpu-1"]
+    view.put_worker(record("cpu-2", 11.0))  # back
+    assert known.gone == {} and [r.worker_id for r in view.records()] == ["cpu-1", "cpu-2"]
+    assert len(changes) == 5
