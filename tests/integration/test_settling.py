@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import msgspec
@@ -34,6 +34,23 @@ DASHBOARD_TTL_S = 3.0
 # How long after a reconnect the gateway's view may settle at the latest: a TTL, and the time
 # a registry that does not answer yet right after the restart adds (`stall.FAILOVER_S`, 9 s).
 SETTLED_WITHIN_S = DASHBOARD_TTL_S + 9.0 + 5.0
+
+
+def silent_worker(beat: float, state: Literal["idle", "busy"]) -> WorkerRecord:
+    """A record the test puts in the registry itself: a worker serving PLAIN that heartbeated
+    at ``beat`` and never again."""
+    return WorkerRecord(
+        worker_id="cpu-silent",
+        host="host-silent",
+        instance_id="i-1",
+        pid=1,
+        version="t",
+        supports=["cpu_inference"],
+        models=[PLAIN],
+        started_at=beat,
+        heartbeat_at=beat,
+        state=state,
+    )
 
 
 async def reconnecting(url: str) -> Client:
@@ -138,17 +155,7 @@ async def test_the_gateway_answers_503_with_retry_after_while_the_router_rereads
             # A worker serving PLAIN alone, live until the outage and silent after it (its
             # machine went down meanwhile): after the restart the router waits a TTL for it.
             workers = await nc.jetstream().key_value(WORKERS_BUCKET)
-            silent = WorkerRecord(
-                worker_id="cpu-silent",
-                host="host-silent",
-                instance_id="i-1",
-                pid=1,
-                version="t",
-                supports=["cpu_inference"],
-                models=[PLAIN],
-                started_at=time.time(),
-                heartbeat_at=time.time(),
-            )
+            silent = silent_worker(time.time(), "idle")
             await workers.put("cpu-silent", msgspec.json.encode(silent))
             await workers_live(nc, 2)
             await asyncio.to_thread(restart, nats_server, OUTAGE_S)
@@ -205,18 +212,7 @@ async def test_the_dashboard_shows_no_worker_lost_until_its_view_has_settled_aft
                     return {"now": state["summary"]["now"], **(rows[0] if rows else {})}
 
                 beat = time.time()
-                busy = WorkerRecord(
-                    worker_id="cpu-silent",
-                    host="host-silent",
-                    instance_id="i-1",
-                    pid=1,
-                    version="t",
-                    supports=["cpu_inference"],
-                    models=[PLAIN],
-                    started_at=beat,
-                    heartbeat_at=beat,
-                    state="busy",
-                )
+                busy = silent_worker(beat, "busy")
                 await workers.put("cpu-silent", msgspec.json.encode(busy))
 
                 # The gateway holds the last heartbeat before the outage.
