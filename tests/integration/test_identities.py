@@ -28,6 +28,7 @@ from structlog.testing import capture_logs
 
 from benchmarks.up_stop import up_env
 from devtools.fakes.ollama import FakeOllama
+from devtools.machines import systemd_machine, systemd_unavailable
 from devtools.servers import NatsCluster, NatsServer
 from schemas.events import AliasSet
 from schemas.subjects import (
@@ -348,6 +349,7 @@ def host() -> Iterator[NetnsHost]:
 
 
 HOST_OLLAMA_PORT = 11441
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 async def test_a_machine_joins_with_its_token_alone_and_runs_a_task(
@@ -423,6 +425,82 @@ async def test_a_machine_joins_with_its_token_alone_and_runs_a_task(
         assert reply["worker"] == "far"
     finally:
         await alice.close()
+
+
+@pytest.fixture
+def systemd_host(host: NetnsHost) -> NetnsHost:
+    why = systemd_unavailable()
+    if why is not None:
+        pytest.skip(f"no systemd machine: {why}")
+    return host
+
+
+async def test_a_machine_with_systemd_joins_as_root_and_its_unit_runs_the_worker(
+    ready: Fleet, systemd_host: NetnsHost, runner: ServiceRunner, processes: Processes
+) -> None:
+    """`join` as root on a machine where systemd runs: the unit is installed, enabled and
+    started by systemd itself, runs a task, and stops cleanly."""
+    host = systemd_host
+    runner.router(ready.server.url, nats_creds=str(ready.creds("router", "r1")))
+    token = run_cli(
+        "invite",
+        "worker",
+        "unit",
+        "--server",
+        f"nats://{host.gateway_ip}:{ready.server.port}",
+        env=ready.cli_env(),
+    ).stdout.strip()
+    processes.start(
+        host.command(
+            sys.executable,
+            *("-m", "devtools.fakes.ollama", "--host", "127.0.0.1"),
+            *("--port", str(HOST_OLLAMA_PORT), "--models", MODEL),
+        ),
+        clean_env(),
+    )
+    backend = f"http://127.0.0.1:{HOST_OLLAMA_PORT}"
+    # Inside the machine: this checkout (its venv's `coordinator`) and the Python it runs on.
+    binds = [CHECKOUT] + ([Path(sys.base_prefix)] if not sys.base_prefix.startswith("/usr") else [])
+    unit = "coordinator-worker@unit.service"
+    with systemd_machine(host, binds=binds, log=ready.tmp / "machine.log") as machine:
+
+        async def joined() -> subprocess.CompletedProcess[str] | None:
+            done = await asyncio.to_thread(
+                machine.run, COORDINATOR, "join", token, "--backend", backend
+            )
+            return done if "model server" not in done.stderr else None  # its backend starting
+
+        def journal() -> str:
+            return machine.run("journalctl", "--unit", unit, "--no-pager").stdout
+
+        done = await eventually(joined, timeout_s=20.0, interval_s=0.5)
+        assert done.returncode == 0, done.stderr
+        assert f"worker-unit joined: {unit} is enabled and started." in done.stdout
+        assert machine.systemctl("is-enabled", unit) == "enabled"
+        assert machine.systemctl("is-active", unit) == "active", journal()
+        # As root: the settings in /etc/coordinator, readable by root alone.
+        listed = machine.run("stat", "-c", "%a %U %n", "/etc/coordinator/worker-unit.env")
+        assert listed.stdout.split() == ["600", "root", "/etc/coordinator/worker-unit.env"]
+        unit_file = machine.run("cat", "/etc/systemd/system/coordinator-worker@.service")
+        assert "EnvironmentFile=/etc/coordinator/worker-unit.env" in unit_file.stdout
+
+        alice = await connect_as(ready, ready.creds("client", "alice"))
+        try:
+            await workers_live(alice, 1, timeout_s=30)
+            reply = await ask(alice, "from a unit", worker="unit")
+            assert reply["worker"] == "unit", journal()
+
+            # `systemctl stop`: SIGTERM, the worker leaves the fleet and exits 0 (not failed).
+            await asyncio.to_thread(machine.systemctl, "stop", unit)
+            assert machine.systemctl("is-active", unit) == "inactive", journal()
+
+            async def gone() -> bool:
+                body, _ = await request(alice, "coordinator.workers", {}, timeout_s=5.0)
+                return all(w["worker_id"] != "unit" for w in body["workers"])
+
+            await eventually(gone, timeout_s=10.0)
+        finally:
+            await alice.close()
 
 
 async def code_of(nc: Client, subject: str, body: dict[str, Any]) -> str | None:
