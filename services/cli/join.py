@@ -4,7 +4,8 @@ The token (`coordinator invite`) carries the fleet's servers, its CA when TLS is
 identity for this machine only. ``join`` writes them into one directory (0700; files 0600),
 checks that the fleet answers that identity and, for a worker, that its model server answers,
 then installs and starts the role's service: a systemd unit where systemd runs and it may
-(root), otherwise it prints the unit (or, on macOS, the launchd agent) and how to start it.
+(root), on macOS a LaunchAgent in the person's own launchd domain; otherwise it prints the
+unit (or the agent) and how to start it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ import nats.errors
 from schemas.subjects import TASKS_STREAM
 from services.cli.identities import write_private
 from services.cli.roles import PER_WORKER, SERVICE_ROLES
-from services.cli.units import render_launchd, render_systemd, systemd_unit_name
+from services.cli.units import (
+    launchd_agent,
+    render_launchd,
+    render_systemd,
+    systemd_unit_name,
+)
 from services.errors import ConfigError, Unavailable
 from services.fleet.identity import WITH_WORKER_ID, JoinToken, decode_token
 from services.runtime.bus import connect
@@ -123,29 +129,18 @@ async def check_backend(backend: str) -> None:
 
 
 def install(token: JoinToken, written: Written, *, user: str, coordinator: str, start: bool) -> str:
-    """Install and start the role's unit where systemd runs and this process may; else say
-    what to do. Returns what to tell the person."""
+    """Install and start the role's unit where systemd runs and this process may (on macOS,
+    its LaunchAgent); else say what to do. Returns what to tell the person."""
     role = token.role
     if role not in SERVICE_ROLES:
         return (
             f"{token.identity} is ready: `set -a; . {written.env_file}; set +a`, then "
             "`coordinator workers` (or any command) speaks as it."
         )
+    if sys.platform == "darwin":
+        return _install_launchd(token, written, coordinator=coordinator, start=start)
     worker_id = token.name if role in PER_WORKER else None
     unit_name = systemd_unit_name(role, worker_id)
-    if sys.platform == "darwin":
-        plist = render_launchd(
-            role,
-            written.env_file,
-            coordinator=coordinator,
-            worker_id=worker_id,
-            log_dir=Path("~/Library/Logs").expanduser(),
-        )
-        return (
-            f"{plist}\nSave the agent above as ~/Library/LaunchAgents/"
-            f"org.coordinator.{role}{'.' + token.name if worker_id else ''}.plist, then "
-            "`launchctl bootstrap gui/$(id -u)` it."
-        )
     unit = render_systemd(role, written.env_file, coordinator=coordinator, user=user)
     template = unit_name.split("@")[0] + "@.service" if worker_id else unit_name
     can = Path("/run/systemd/system").is_dir() and shutil.which("systemctl") is not None
@@ -164,6 +159,38 @@ def install(token: JoinToken, written: Written, *, user: str, coordinator: str, 
         if done.returncode != 0:
             raise Unavailable(f"systemctl {' '.join(command)}: {done.stderr.strip()}")
     return f"{token.identity} joined: {unit_name} is enabled and started."
+
+
+def _install_launchd(token: JoinToken, written: Written, *, coordinator: str, start: bool) -> str:
+    """macOS: the role's LaunchAgent in the person's own launchd domain (a Mac's model server
+    runs as its person), loaded and started; as root, or when asked not to, it is printed."""
+    worker_id = token.name if token.role in PER_WORKER else None
+    agent = launchd_agent(token.role, worker_id, uid=os.getuid(), home=Path.home())
+    plist = render_launchd(
+        token.role,
+        written.env_file,
+        coordinator=coordinator,
+        worker_id=worker_id,
+        log_dir=agent.log_dir,
+    )
+    if not start or os.geteuid() == 0 or shutil.which("launchctl") is None:
+        why = "as asked" if not start else "a LaunchAgent is a person's: run join as yourself"
+        return (
+            f"{plist}\nNot installed ({why}). Save the agent above as {agent.path}, then "
+            f"`launchctl {' '.join(agent.bootstrap)}`."
+        )
+    agent.path.parent.mkdir(parents=True, exist_ok=True)
+    agent.log_dir.mkdir(parents=True, exist_ok=True)
+    agent.path.write_text(plist)
+    # An agent loaded before (this machine joining again) is unloaded first: launchd refuses
+    # to bootstrap a label it has. Not loaded: launchctl says so, nothing to do.
+    subprocess.run(["launchctl", *agent.bootout], capture_output=True, check=False)
+    done = subprocess.run(
+        ["launchctl", *agent.bootstrap], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise Unavailable(f"launchctl {' '.join(agent.bootstrap)}: {done.stderr.strip()}")
+    return f"{token.identity} joined: {agent.label} is loaded and started ({agent.path})."
 
 
 def register(sub: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.cli.roles import DEPLOY_DIR, PER_WORKER, SERVICE_ROLES
@@ -80,6 +81,31 @@ def render_launchd(
 
 def launchd_label(role: str, worker_id: str | None) -> str:
     return f"org.coordinator.{role}" + (f".{worker_id}" if role in PER_WORKER else "")
+
+
+@dataclass(frozen=True)
+class LaunchdAgent:
+    """Where a person's LaunchAgent for a role goes, its log, and the ``launchctl`` arguments
+    that load (``bootstrap``) and unload (``bootout``) it in that person's GUI domain."""
+
+    label: str
+    path: Path
+    log_dir: Path
+    bootstrap: tuple[str, ...]
+    bootout: tuple[str, ...]
+
+
+def launchd_agent(role: str, worker_id: str | None, *, uid: int, home: Path) -> LaunchdAgent:
+    label = launchd_label(role, worker_id)
+    path = home / "Library" / "LaunchAgents" / f"{label}.plist"
+    domain = f"gui/{uid}"
+    return LaunchdAgent(
+        label=label,
+        path=path,
+        log_dir=home / "Library" / "Logs",
+        bootstrap=("bootstrap", domain, str(path)),
+        bootout=("bootout", f"{domain}/{label}"),
+    )
 
 
 def _xml(text: str) -> str:

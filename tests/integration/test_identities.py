@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import plistlib
 import signal
 import stat
 import subprocess
@@ -411,13 +412,17 @@ async def test_a_machine_joins_with_its_token_alone_and_runs_a_task(
     assert "WORKER_SUPPORTS=gpu_inference" in written
     assert "PASSWORD" not in written
 
-    # What the unit runs: the settings file, the instance's WORKER_ID, `coordinator worker`.
-    processes.start(
-        host.command(
-            "sh", "-c", f'set -a; . "{env_file}"; set +a; WORKER_ID=far exec {COORDINATOR} worker'
-        ),
-        clean_env(),
+    # What a Mac's LaunchAgent for it runs (its ProgramArguments, as launchd would start
+    # them): the settings file, the label's WORKER_ID, `coordinator worker`.
+    agent = run_cli(
+        *("deploy", "render", "launchd", "--role", "worker", "--worker-id", "far"),
+        *("--env-file", str(env_file), "--coordinator", COORDINATOR),
+        env=clean_env(),
     )
+    assert agent.returncode == 0, agent.stderr
+    program = plistlib.loads(agent.stdout.encode())
+    assert program["Label"] == "org.coordinator.worker.far"
+    processes.start(host.command(*program["ProgramArguments"]), clean_env())
     alice = await connect_as(ready, ready.creds("client", "alice"))
     try:
         await workers_live(alice, 1, timeout_s=30)

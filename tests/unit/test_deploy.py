@@ -31,7 +31,7 @@ from services.cli.permissions import (
     role_permissions,
 )
 from services.cli.roles import DEPLOY_DIR, SERVICE_ROLES
-from services.cli.units import read_env_file, render_launchd, render_systemd
+from services.cli.units import launchd_agent, read_env_file, render_launchd, render_systemd
 from services.errors import ConfigError
 from services.runtime import settings as settings_module
 
@@ -263,6 +263,17 @@ def test_a_launchd_agent_reads_the_env_file_and_pins_the_worker_id(tmp_path: Pat
     assert 'WORKER_ID="$2"; exec "$1" worker' in plist
     assert "<key>KeepAlive</key><true/>" in plist
     assert read_env_file(env) == {"WORKER_ID": "mac1", "PG_DSN": "host=db dbname=c"}
+
+
+def test_a_launchd_agent_is_installed_in_its_persons_own_domain() -> None:
+    agent = launchd_agent("worker", "mac1", uid=501, home=Path("/Users/me"))
+    assert agent.label == "org.coordinator.worker.mac1"
+    assert agent.path == Path("/Users/me/Library/LaunchAgents/org.coordinator.worker.mac1.plist")
+    assert agent.log_dir == Path("/Users/me/Library/Logs")
+    assert agent.bootstrap == ("bootstrap", "gui/501", str(agent.path))
+    assert agent.bootout == ("bootout", "gui/501/org.coordinator.worker.mac1")
+    router = launchd_agent("router", None, uid=501, home=Path("/Users/me"))
+    assert router.bootout == ("bootout", "gui/501/org.coordinator.router")
 
 
 def test_deploy_render_commands_parse() -> None:
