@@ -5,9 +5,10 @@
 ``devtools/fakes/ollama.py`` is faithful (every endpoint, knobs, a thread per connection, JSON
 built per line) and costs about as much CPU per generation as the service under test, which
 would hide the figure being measured; this one answers only what a worker calls on its hot
-path (``/api/tags``, streamed ``/api/generate`` and ``/api/chat``) on one asyncio loop, with
-bytes prepared once. Each answer is ``--pieces`` NDJSON lines of text and the final line with
-the figures, sent in one write as chunked transfer encoding, as Ollama streams them.
+path (``/api/tags``, ``/api/ps`` with every model loaded, streamed ``/api/generate`` and
+``/api/chat``) on one asyncio loop, with bytes prepared once. Each answer is ``--pieces``
+NDJSON lines of text and the final line with the figures, sent in one write as chunked
+transfer encoding, as Ollama streams them.
 
 ``total_duration`` is the stand-in's real time on the request (from its last byte read to the
 answer's write), in nanoseconds: the backend's own time in the overhead figure.
@@ -45,6 +46,26 @@ _TAGS: Final = _json_reply(
     "200 OK",
     json.dumps(
         {"models": [{"name": m, "model": m, "size": 1, "digest": "0" * 64} for m in MODELS]}
+    ).encode(),
+)
+# Every model loaded, as Ollama lists them once they have run: a worker reads this after a
+# task of a model it did not know was loaded (answered 404, it would read it after every one).
+_PS: Final = _json_reply(
+    "200 OK",
+    json.dumps(
+        {
+            "models": [
+                {
+                    "name": m,
+                    "model": m,
+                    "size": 400_000_000,
+                    "digest": "0" * 64,
+                    "expires_at": "2099-01-01T00:00:00Z",
+                    "size_vram": 0,
+                }
+                for m in MODELS
+            ]
+        }
     ).encode(),
 )
 _NOT_FOUND: Final = _json_reply("404 Not Found", b'{"error":"not found"}')
@@ -126,6 +147,8 @@ class _Http(asyncio.Protocol):
         method, path = [*request_line, "", ""][:2]
         if method == "GET" and path == "/api/tags":
             self.transport.write(_TAGS)
+        elif method == "GET" and path == "/api/ps":
+            self.transport.write(_PS)
         elif method == "POST" and path in ("/api/generate", "/api/chat"):
             chat = path == "/api/chat"
             body = self.answers.chat if chat else self.answers.generate
