@@ -353,25 +353,22 @@ HOST_OLLAMA_PORT = 11441
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 
-async def test_a_machine_joins_with_its_token_alone_and_runs_a_task(
-    ready: Fleet, host: NetnsHost, runner: ServiceRunner, processes: Processes
-) -> None:
-    runner.router(ready.server.url, nats_creds=str(ready.creds("router", "r1")))
-    # The operator invites the machine, naming the fleet as that machine reaches it.
+def invite_machine(ready: Fleet, host: NetnsHost, name: str, *flags: str) -> str:
+    """The operator's token for worker ``name``, naming the fleet as ``host`` reaches it."""
     invited = run_cli(
-        "invite",
-        "worker",
-        "far",
-        "--gpu",
-        "--server",
-        f"nats://{host.gateway_ip}:{ready.server.port}",
+        *("invite", "worker", name, *flags),
+        *("--server", f"nats://{host.gateway_ip}:{ready.server.port}"),
         env=ready.cli_env(),
     )
     assert invited.returncode == 0, invited.stderr
     token = invited.stdout.strip()
     assert "\n" not in token
+    return token
 
-    # On the new machine: its model server, then `coordinator join` with the token alone.
+
+def start_host_backend(host: NetnsHost, processes: Processes) -> str:
+    """The new machine's own model server (an Ollama stand-in inside ``host``); its URL as
+    the machine reaches it."""
     processes.start(
         host.command(
             sys.executable,
@@ -380,8 +377,17 @@ async def test_a_machine_joins_with_its_token_alone_and_runs_a_task(
         ),
         clean_env(),
     )
+    return f"http://127.0.0.1:{HOST_OLLAMA_PORT}"
+
+
+async def test_a_machine_joins_with_its_token_alone_and_runs_a_task(
+    ready: Fleet, host: NetnsHost, runner: ServiceRunner, processes: Processes
+) -> None:
+    runner.router(ready.server.url, nats_creds=str(ready.creds("router", "r1")))
+    token = invite_machine(ready, host, "far", "--gpu")
+    # On the new machine: its model server, then `coordinator join` with the token alone.
+    backend = start_host_backend(host, processes)
     settings = ready.tmp / "far-machine"
-    backend = f"http://127.0.0.1:{HOST_OLLAMA_PORT}"
 
     async def joined() -> Any:
         done = await asyncio.to_thread(
@@ -447,23 +453,8 @@ async def test_a_machine_with_systemd_joins_as_root_and_its_unit_runs_the_worker
     started by systemd itself, runs a task, and stops cleanly."""
     host = systemd_host
     runner.router(ready.server.url, nats_creds=str(ready.creds("router", "r1")))
-    token = run_cli(
-        "invite",
-        "worker",
-        "unit",
-        "--server",
-        f"nats://{host.gateway_ip}:{ready.server.port}",
-        env=ready.cli_env(),
-    ).stdout.strip()
-    processes.start(
-        host.command(
-            sys.executable,
-            *("-m", "devtools.fakes.ollama", "--host", "127.0.0.1"),
-            *("--port", str(HOST_OLLAMA_PORT), "--models", MODEL),
-        ),
-        clean_env(),
-    )
-    backend = f"http://127.0.0.1:{HOST_OLLAMA_PORT}"
+    token = invite_machine(ready, host, "unit")
+    backend = start_host_backend(host, processes)
     # Inside the machine: this checkout (its venv's `coordinator`) and the Python it runs on.
     binds = [CHECKOUT] + ([Path(sys.base_prefix)] if not sys.base_prefix.startswith("/usr") else [])
     unit = "coordinator-worker@unit.service"
