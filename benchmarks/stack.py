@@ -6,7 +6,7 @@ store), an Ollama stand-in (`benchmarks.standin`, instant; or ``devtools/fakes/o
 when it answers, else an embedded one, as the tests do), then ``coordinator stats serve``,
 ``coordinator router`` and N ``coordinator worker`` processes configured by the environment
 only, as in production (logs: JSON lines to a file, level ``info``). It waits until every
-worker is routable, and stops everything on exit.
+worker is routable, and stops everything on exit (a SIGTERM to the benchmark included).
 
 CPU time is read from ``/proc/<pid>/stat`` (user + system) for each process, the PostgreSQL
 backends serving the scratch database included, so a benchmark can say what each part
@@ -155,6 +155,12 @@ class Stack:
     # -- start and stop ------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        # A SIGTERM to the benchmark cancels it, so its ``async with`` stops the stack: the
+        # services run in sessions of their own and would otherwise outlive it.
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        if task is not None:
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
         try:
             await self._start()
         except BaseException:
@@ -254,6 +260,8 @@ class Stack:
                 raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{tail}")
 
     async def _stop(self) -> None:
+        with contextlib.suppress(RuntimeError):  # once stopping, a SIGTERM ends it as usual
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await self.nc.close()
