@@ -52,8 +52,7 @@ def systemd_unavailable() -> str | None:
 class SystemdMachine:
     """A booted container: run commands in it as root (`run`), ask its systemd (`systemctl`)."""
 
-    def __init__(self, host: NetnsHost, init_pid: int) -> None:
-        self.host = host
+    def __init__(self, init_pid: int) -> None:
         self.init_pid = init_pid  # its PID 1, as this machine numbers it
 
     def run(
@@ -95,7 +94,7 @@ def _wait_booted(host: NetnsHost, nspawn: subprocess.Popen[bytes], log: Path) ->
             )
         pid = _init_pid(host)
         if pid is not None:
-            machine = SystemdMachine(host, pid)
+            machine = SystemdMachine(pid)
             state = machine.systemctl("is-system-running")
             if state in _BOOTED:
                 return machine
